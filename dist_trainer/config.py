@@ -1,0 +1,228 @@
+"""Typed configuration and the batch plan.
+
+Hydra composes the YAML groups in ``conf/`` against the dataclasses below (so a
+misspelled key or a wrong type fails at composition, naming the key). Below the
+entry point nothing sees Hydra: ``validate`` turns the composed tree into a
+checked ``Config`` and derives the ``BatchPlan`` before any tensor exists.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
+OPTIMIZERS = ("adamw", "sgd")
+LR_SCALINGS = ("none", "linear", "sqrt")
+SCHEDULES = ("constant", "cosine")
+NONFINITE_POLICIES = ("stop", "skip")
+# Keys of the data node that the framework owns; they never reach the dataset.
+LOADER_KEYS = ("shuffle", "drop_last", "num_workers")
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names the key."""
+
+
+@dataclass
+class BatchConfig:
+    micro_batch_size: int = 16  # samples per rank per forward/backward
+    global_batch_size: Optional[int] = None  # samples per optimizer step, all ranks
+    accum_steps: Optional[int] = None  # micro-batches per optimizer step
+
+
+@dataclass
+class LossScaleConfig:
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000  # good steps before the scale grows
+    hysteresis: int = 1  # overflows tolerated before backing off
+    min_scale: float = 1.0  # backing off below this stops training
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = "fp32"
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 1e-3  # before scaling for the effective batch
+    weight_decay: float = 0.0  # applied to matrices and embeddings only
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    # Adam's eps is added in the FP32 optimizer state (parameters seen by the
+    # optimizer are always FP32), so 1e-8 does not underflow as it would in fp16.
+    eps: float = 1e-8
+    momentum: float = 0.9  # sgd only
+    lr_scaling: str = "none"
+    base_batch_size: Optional[int] = None  # global batch the base lr was tuned for
+    warmup_steps: int = 0  # optimizer updates of linear warmup
+    schedule: str = "constant"
+    min_lr_ratio: float = 0.1  # cosine floor, as a fraction of the peak lr
+    grad_clip: Optional[float] = 1.0  # max global norm of unscaled grads; null disables
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 300  # optimizer steps (windows), skipped ones included
+    seed: int = 0
+    log_every: int = 10  # console cadence, optimizer steps
+    eval_every: int = 100  # optimizer steps; 0 disables periodic eval
+    eval_batches: int = 10  # micro-batches per rank per evaluation
+    device: str = "auto"  # auto | cpu | cuda
+    nonfinite: str = "stop"  # fp32/bf16 non-finite gradients: stop or skip the step
+    max_consecutive_skips: int = 10  # with nonfinite=skip
+
+
+@dataclass
+class DistConfig:
+    sync_batchnorm: bool = False
+    find_unused_parameters: bool = False
+    bucket_cap_mb: Optional[float] = None  # null = DDP's own default
+    timeout_s: int = 1800
+
+
+@dataclass
+class Config:
+    model: Dict[str, Any] = field(default_factory=dict)
+    data: Dict[str, Any] = field(default_factory=dict)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """The derived numbers of one optimizer step, for a given world size."""
+
+    world_size: int
+    micro_batch_size: int
+    accum_steps: int
+    global_batch_size: int
+    base_lr: float
+    lr: float  # after scaling for the effective batch
+    max_steps: int
+
+    def describe(self) -> str:
+        return (
+            f"world size {self.world_size} x micro batch {self.micro_batch_size} "
+            f"x accum steps {self.accum_steps} = global batch {self.global_batch_size} "
+            f"samples per optimizer step; lr {self.base_lr:g} -> {self.lr:g} after scaling; "
+            f"{self.max_steps} optimizer steps"
+        )
+
+
+def _check(ok: bool, key: str, value: Any, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r}: {why}")
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def derive_batch(batch: BatchConfig, world_size: int) -> tuple[int, int]:
+    """Return (accum_steps, global_batch_size); micro x accum x world = global."""
+    micro = batch.micro_batch_size
+    _check(micro >= 1, "batch.micro_batch_size", micro, "must be >= 1")
+    if batch.accum_steps is not None:
+        _check(batch.accum_steps >= 1, "batch.accum_steps", batch.accum_steps, "must be >= 1")
+    if batch.global_batch_size is None:
+        accum = batch.accum_steps or 1
+        return accum, micro * accum * world_size
+    glob = batch.global_batch_size
+    _check(glob >= 1, "batch.global_batch_size", glob, "must be >= 1")
+    per_rank, rest = divmod(glob, micro * world_size)
+    if rest or per_rank == 0:
+        micros = [m for m in _divisors(glob // world_size) if glob % (m * world_size) == 0]
+        lower = max(glob // (micro * world_size), 1) * micro * world_size
+        hint = (
+            f"batch.micro_batch_size in {micros[-6:]} would divide it"
+            if micros
+            else f"no micro batch divides it over {world_size} ranks"
+        )
+        raise ConfigError(
+            f"batch.global_batch_size={glob} is not batch.micro_batch_size={micro} x "
+            f"world size {world_size} x batch.accum_steps: {hint}; or set "
+            f"batch.global_batch_size to a multiple of {micro * world_size} "
+            f"(e.g. {lower} or {lower + micro * world_size})"
+        )
+    if batch.accum_steps is not None and batch.accum_steps != per_rank:
+        raise ConfigError(
+            f"batch.accum_steps={batch.accum_steps} contradicts batch.global_batch_size={glob} "
+            f"/ (batch.micro_batch_size={micro} x world size {world_size}) = {per_rank}; "
+            "set one of them, or make them agree"
+        )
+    return per_rank, glob
+
+
+def scaled_lr(optim: OptimConfig, global_batch_size: int) -> float:
+    if optim.lr_scaling == "none":
+        return optim.lr
+    ratio = global_batch_size / optim.base_batch_size
+    return optim.lr * (ratio if optim.lr_scaling == "linear" else math.sqrt(ratio))
+
+
+def _validate_values(cfg: Config) -> None:
+    p, o, t, d = cfg.precision, cfg.optim, cfg.trainer, cfg.dist
+    _check(p.name in PRECISIONS, "precision.name", p.name, f"choose one of {PRECISIONS}")
+    ls = p.loss_scale
+    _check(ls.init_scale > 0, "precision.loss_scale.init_scale", ls.init_scale, "must be > 0")
+    _check(ls.growth_factor > 1, "precision.loss_scale.growth_factor", ls.growth_factor, "must be > 1")
+    _check(0 < ls.backoff_factor < 1, "precision.loss_scale.backoff_factor", ls.backoff_factor, "must be in (0, 1)")
+    _check(ls.growth_interval >= 1, "precision.loss_scale.growth_interval", ls.growth_interval, "must be >= 1")
+    _check(ls.hysteresis >= 1, "precision.loss_scale.hysteresis", ls.hysteresis, "must be >= 1")
+    _check(0 < ls.min_scale <= ls.init_scale, "precision.loss_scale.min_scale", ls.min_scale, "must be in (0, init_scale]")
+    _check(o.name in OPTIMIZERS, "optim.name", o.name, f"choose one of {OPTIMIZERS}")
+    _check(o.lr > 0, "optim.lr", o.lr, "must be > 0")
+    _check(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "must be >= 0")
+    _check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas", o.betas, "must be two values in [0, 1)")
+    _check(o.eps > 0, "optim.eps", o.eps, "must be > 0")
+    _check(o.lr_scaling in LR_SCALINGS, "optim.lr_scaling", o.lr_scaling, f"choose one of {LR_SCALINGS}")
+    if o.lr_scaling != "none":
+        _check(o.base_batch_size is not None and o.base_batch_size >= 1, "optim.base_batch_size",
+               o.base_batch_size, f"must be a positive batch size when optim.lr_scaling={o.lr_scaling}")
+    _check(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
+    _check(o.schedule in SCHEDULES, "optim.schedule", o.schedule, f"choose one of {SCHEDULES}")
+    _check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
+    _check(o.grad_clip is None or o.grad_clip > 0, "optim.grad_clip", o.grad_clip, "must be > 0 or null")
+    _check(t.max_steps >= 1, "trainer.max_steps", t.max_steps, "must be >= 1")
+    _check(t.log_every >= 1, "trainer.log_every", t.log_every, "must be >= 1")
+    _check(t.eval_every >= 0, "trainer.eval_every", t.eval_every, "must be >= 0 (0 disables)")
+    _check(t.eval_batches >= 1, "trainer.eval_batches", t.eval_batches, "must be >= 1")
+    _check(t.device in ("auto", "cpu", "cuda"), "trainer.device", t.device, "choose auto, cpu or cuda")
+    _check(t.nonfinite in NONFINITE_POLICIES, "trainer.nonfinite", t.nonfinite, f"choose one of {NONFINITE_POLICIES}")
+    _check(t.max_consecutive_skips >= 1, "trainer.max_consecutive_skips", t.max_consecutive_skips, "must be >= 1")
+    _check(d.bucket_cap_mb is None or d.bucket_cap_mb > 0, "dist.bucket_cap_mb", d.bucket_cap_mb, "must be > 0 or null")
+    _check(d.timeout_s >= 1, "dist.timeout_s", d.timeout_s, "must be >= 1")
+    for node in ("model", "data"):
+        target = getattr(cfg, node).get("_target_")
+        _check(isinstance(target, str) and bool(target), f"{node}._target_", target,
+               "must name an importable callable (e.g. dist_trainer.models.GPT)")
+    data = cfg.data
+    _check(isinstance(data.get("shuffle", True), bool), "data.shuffle", data.get("shuffle"), "must be true or false")
+    _check(isinstance(data.get("drop_last", False), bool), "data.drop_last", data.get("drop_last"), "must be true or false")
+    workers = data.get("num_workers", 0)
+    _check(isinstance(workers, int) and workers >= 0, "data.num_workers", workers, "must be an integer >= 0")
+
+
+def validate(cfg: Config, world_size: int) -> BatchPlan:
+    """Check every value and derive the batch plan; raises ConfigError naming the key."""
+    _check(world_size >= 1, "world size", world_size, "must be >= 1")
+    _validate_values(cfg)
+    accum, glob = derive_batch(cfg.batch, world_size)
+    return BatchPlan(
+        world_size=world_size,
+        micro_batch_size=cfg.batch.micro_batch_size,
+        accum_steps=accum,
+        global_batch_size=glob,
+        base_lr=cfg.optim.lr,
+        lr=scaled_lr(cfg.optim, glob),
+        max_steps=cfg.trainer.max_steps,
+    )

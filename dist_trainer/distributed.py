@@ -1,0 +1,86 @@
+"""The one place that reads torchrun's environment and owns the process group."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+    owns_group: bool
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _int_env(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def rank() -> int:
+    """This process's global rank (0 when not launched by torchrun)."""
+    return _int_env("RANK", 0)
+
+
+def world_size() -> int:
+    """The world size, known before the process group exists (for validation)."""
+    return dist.get_world_size() if dist.is_initialized() else _int_env("WORLD_SIZE", 1)
+
+
+def run_id() -> str:
+    """A name all ranks agree on without talking to each other.
+
+    torchrun gives every worker the same TORCHELASTIC_RUN_ID (the --rdzv_id, or a
+    fresh uuid under --standalone), and keeps it across elastic restarts; a plain
+    single process has no peers to agree with and takes a timestamp.
+    """
+    return os.environ.get("TORCHELASTIC_RUN_ID") or time.strftime("local-%Y%m%d-%H%M%S")
+
+
+def pick_device(preference: str, local_rank: int) -> torch.device:
+    use_cuda = preference == "cuda" or (preference == "auto" and torch.cuda.is_available())
+    if not use_cuda:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("trainer.device=cuda but no CUDA device is visible; use trainer.device=auto or cpu")
+    # One GPU per process: torchrun's LOCAL_RANK picks it.
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def init(device_preference: str = "auto", timeout_s: int = 1800) -> DistEnv:
+    """Join (or, for a single plain process, create) the default process group.
+
+    A process group already set up by the caller (tests spawning ranks with a
+    file:// store) is used as it is, and ``owns_group`` is False so that
+    ``shutdown`` leaves it to its owner.
+    """
+    local_rank = _int_env("LOCAL_RANK", 0)
+    device = pick_device(device_preference, local_rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        timeout = timedelta(seconds=timeout_s)
+        if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend, timeout=timeout)  # env:// from torchrun
+        else:
+            # python -m dist_trainer: a group of one, so the code path is the same.
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return DistEnv(dist.get_rank(), local_rank, dist.get_world_size(), device, dist.get_backend(), owns_group)
+
+
+def shutdown(env: DistEnv) -> None:
+    if env.owns_group and dist.is_initialized():
+        dist.destroy_process_group()

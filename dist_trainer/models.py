@@ -1,0 +1,223 @@
+"""Built-in models for ``dist_trainer``.
+
+Every model's ``forward`` takes the collated batch dict and returns either
+
+* a scalar tensor: the mean loss over the samples of the micro-batch, or
+* ``{"loss_sum": tensor, "num_items": int64 tensor}``: the summed loss over
+  items (e.g. tokens) and how many items were summed. ``num_items`` stays a
+  tensor so computing it never forces a host/device sync.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["GPT", "DigitsConvNet", "BranchyMLP"]
+
+IGNORE_INDEX = -100
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention using fused ``scaled_dot_product_attention``."""
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool) -> None:
+        super().__init__()
+        if n_embd % n_head != 0:
+            raise ValueError(f"model.n_embd ({n_embd}) must be divisible by model.n_head ({n_head})")
+        self.n_head = n_head
+        self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=bias)
+        self.proj = nn.Linear(n_embd, n_embd, bias=bias)
+        self.proj.is_residual_proj = True  # type: ignore[attr-defined]
+        self.attn_dropout = dropout
+        self.resid_dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        # (B, T, C) -> (B, n_head, T, head_dim)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.attn_dropout if self.training else 0.0, is_causal=True
+        )
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.proj(y))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward block: Linear(4x) -> GELU -> Linear -> Dropout."""
+
+    def __init__(self, n_embd: int, dropout: float, bias: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(n_embd, 4 * n_embd, bias=bias)
+        self.act = nn.GELU()
+        self.proj = nn.Linear(4 * n_embd, n_embd, bias=bias)
+        self.proj.is_residual_proj = True  # type: ignore[attr-defined]
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(self.act(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block."""
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd, bias=bias)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias)
+        self.ln_2 = nn.LayerNorm(n_embd, bias=bias)
+        self.mlp = MLP(n_embd, dropout, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Small GPT-style decoder-only transformer language model.
+
+    ``forward(batch)`` takes ``{"input_ids": int64[B, T], "targets": int64[B, T]}``
+    (``T <= block_size`` tokens; targets of ``-100`` are ignored) and returns
+    ``{"loss_sum": float32 scalar, "num_items": int64 scalar}``: the summed
+    next-token cross-entropy in nats over all non-ignored target tokens, and
+    the number of such tokens.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        block_size: int = 64,
+        n_layer: int = 4,
+        n_head: int = 4,
+        n_embd: int = 128,
+        dropout: float = 0.0,
+        bias: bool = True,
+    ) -> None:
+        super().__init__()
+        for key, val in (("vocab_size", vocab_size), ("block_size", block_size),
+                         ("n_layer", n_layer), ("n_head", n_head), ("n_embd", n_embd)):
+            if val < 1:
+                raise ValueError(f"model.{key} must be >= 1, got {val}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"model.dropout must be in [0, 1), got {dropout}")
+        self.vocab_size = vocab_size
+        self.block_size = block_size
+        self.n_layer = n_layer
+        self.tok_emb = nn.Embedding(vocab_size, n_embd)
+        self.pos_emb = nn.Embedding(block_size, n_embd)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, bias) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd, bias=bias)
+        self.head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight  # weight tying
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """GPT-2 init: N(0, 0.02), residual projections N(0, 0.02/sqrt(2*n_layer))."""
+        if isinstance(module, nn.Linear):
+            std = 0.02
+            if getattr(module, "is_residual_proj", False):
+                std /= math.sqrt(2 * self.n_layer)
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameter count (tied weights counted once); optionally minus position embeddings."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.pos_emb.weight.numel()
+        return n
+
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Next-token logits ``[B, T, vocab_size]`` for ``input_ids`` ``[B, T]``."""
+        T = input_ids.shape[1]
+        assert T <= self.block_size, (
+            f"sequence length {T} exceeds model block_size {self.block_size}"
+        )
+        pos = torch.arange(T, device=input_ids.device)
+        x = self.drop(self.tok_emb(input_ids) + self.pos_emb(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        targets = batch["targets"]
+        logits = self.logits(batch["input_ids"])
+        # Cross-entropy in float32 so it stays accurate under autocast.
+        loss_sum = F.cross_entropy(
+            logits.float().view(-1, logits.size(-1)),
+            targets.reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
+        num_items = (targets != IGNORE_INDEX).sum()
+        return {"loss_sum": loss_sum, "num_items": num_items}
+
+
+class DigitsConvNet(nn.Module):
+    """Small conv net with BatchNorm for 1x8x8 digit images.
+
+    ``forward(batch)`` takes ``{"image": float[B, 1, 8, 8], "label": int64[B]}``
+    and returns the scalar mean cross-entropy (nats per sample).
+    """
+
+    def __init__(self, width: int = 16, num_classes: int = 10) -> None:
+        super().__init__()
+        if width < 1:
+            raise ValueError(f"model.width must be >= 1, got {width}")
+        if num_classes < 2:
+            raise ValueError(f"model.num_classes must be >= 2, got {num_classes}")
+        self.net = nn.Sequential(
+            nn.Conv2d(1, width, 3, padding=1),
+            nn.BatchNorm2d(width),
+            nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 3, padding=1),
+            nn.BatchNorm2d(2 * width),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(2 * width * 4 * 4, num_classes),
+        )
+
+    def logits(self, image: torch.Tensor) -> torch.Tensor:
+        """Class logits ``[B, num_classes]``."""
+        return self.net(image)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return F.cross_entropy(self.logits(batch["image"]).float(), batch["label"])
+
+
+class BranchyMLP(nn.Module):
+    """Tiny MLP with a conditionally used ``branch`` layer (for DDP unused-parameter tests).
+
+    ``forward(batch)`` takes ``{"x": float[B, in_dim], "y": float[B],
+    "use_branch": bool[B]}``. The branch is used for the whole micro-batch iff
+    ``use_branch[0]`` is True (this reads the flag on the host). Returns the
+    scalar mean squared error per sample.
+    """
+
+    def __init__(self, in_dim: int = 4, hidden: int = 8) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(in_dim, hidden)
+        self.branch = nn.Linear(hidden, hidden)
+        self.head = nn.Linear(hidden, 1)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        h = torch.tanh(self.trunk(batch["x"]))
+        if bool(batch["use_branch"][0]):
+            h = torch.tanh(self.branch(h))
+        pred = self.head(h).squeeze(-1)
+        return F.mse_loss(pred.float(), batch["y"].float())

@@ -1,0 +1,44 @@
+"""Optimizer and learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .config import OptimConfig
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float) -> torch.optim.Optimizer:
+    """AdamW or SGD; weight decay only on matrices and embeddings (not biases or norms)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    groups = [g for g in groups if g["params"]]
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum)
+
+
+def lr_at(update: int, peak_lr: float, cfg: OptimConfig, total_updates: int) -> float:
+    """The lr of optimizer update number ``update`` (0-based).
+
+    ``update`` counts applied updates only: a step skipped for non-finite
+    gradients does not move the schedule, so the next step reuses its rate.
+    """
+    if update < cfg.warmup_steps:
+        return peak_lr * (update + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return peak_lr
+    decay_updates = max(total_updates - cfg.warmup_steps, 1)
+    progress = min((update - cfg.warmup_steps) / decay_updates, 1.0)
+    floor = peak_lr * cfg.min_lr_ratio
+    return floor + (peak_lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

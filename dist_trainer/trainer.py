@@ -1,0 +1,191 @@
+"""The optimizer step: accumulation over micro-batches, exact normalisation, skipping.
+
+One optimizer step, as pseudocode::
+
+    zero grads
+    for each micro-batch of the window:
+        (under no_sync unless it is the last) autocast forward, then
+        backward of loss_sum * scale / divisor          # scale and divisor fixed for the window
+    one all-reduce: [loss_sum, items, samples, non-finite flags] over all ranks
+    if any gradient is non-finite anywhere: skip (every rank alike), back the scale off
+    else: grads *= world * divisor / (scale * items), clipped, in one multiply
+          set the lr of this update, optimizer step, count the update
+
+Gradients are therefore those of (sum of every loss term in the step) / (number
+of items in the step) over all micro-batches and ranks: one big batch's mean,
+however the step is split.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, List, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .config import BatchPlan, OptimConfig, TrainerConfig
+from .data import Window
+from .distributed import DistEnv
+from .optim import lr_at, set_lr
+from .parallel import AllreduceCounter
+from .precision import Precision
+
+
+class NonFiniteError(RuntimeError):
+    """Non-finite gradients with no loss scaler to absorb them."""
+
+
+@dataclass
+class StepOutcome:
+    loss: float  # mean over the items (or samples) of the effective batch
+    items: int  # items the step's loss averages over (tokens, or samples)
+    samples: int  # samples in the step, all ranks
+    lr: float  # the rate this step used (or would have used, if skipped)
+    loss_scale: Optional[float]  # the scale this step used; None without dynamic scaling
+    grad_norm: Optional[float]  # global norm of the unscaled gradients, before clipping
+    skipped: bool
+    allreduces: int  # gradient all-reduce calls issued by DDP in this step
+    allreduce_bytes: int
+
+
+def _leading_dim(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    values = batch.values() if isinstance(batch, Mapping) else batch
+    for value in values:
+        return _leading_dim(value)
+    raise ValueError("cannot count samples in an empty batch")
+
+
+def loss_terms(output: Any, batch: Any, count: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed loss, number of items) of one micro-batch, from either forward form.
+
+    A scalar output is a mean over samples, so it is weighted by the sample
+    count. ``count=False`` marks a placeholder micro-batch: it runs so that
+    this rank joins the all-reduce, but contributes nothing.
+    """
+    if isinstance(output, Mapping):
+        loss_sum = output["loss_sum"].float()
+        items = torch.as_tensor(output["num_items"], device=loss_sum.device).to(torch.float64)
+    else:
+        if not isinstance(output, torch.Tensor) or output.ndim != 0:
+            raise TypeError("the model's forward must return a scalar mean loss or {'loss_sum', 'num_items'}")
+        samples = _leading_dim(batch)
+        loss_sum = output.float() * samples
+        items = torch.tensor(float(samples), dtype=torch.float64, device=loss_sum.device)
+    if not count:
+        return loss_sum * 0.0, items * 0.0
+    return loss_sum, items
+
+
+class Trainer:
+    """Holds what the step needs; built once, before the loop."""
+
+    def __init__(self, model: DDP, optimizer: torch.optim.Optimizer, precision: Precision,
+                 counter: AllreduceCounter, env: DistEnv, plan: BatchPlan,
+                 optim_cfg: OptimConfig, trainer_cfg: TrainerConfig):
+        self.model, self.optimizer, self.precision = model, optimizer, precision
+        self.counter, self.env, self.plan = counter, env, plan
+        self.optim_cfg, self.trainer_cfg = optim_cfg, trainer_cfg
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.updates = 0  # applied optimizer updates: drives the lr schedule
+        self.consecutive_skips = 0
+        # Divides each micro-batch's summed loss so that its gradient has the size
+        # of a per-sample (or per-item) mean: only the loss scaler's range depends
+        # on it, the update is exact for any value. It must be equal on all ranks.
+        self.loss_divisor = float(plan.micro_batch_size)
+
+    def train_step(self, batches: List[Any], window: Window, step: int) -> StepOutcome:
+        model, scale = self.model, self.precision.scaler.scale
+        calls0, bytes0 = self.counter.calls, self.counter.bytes
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
+        items = torch.zeros((), dtype=torch.float64, device=self.env.device)
+        for i, (batch, indices) in enumerate(zip(batches, window)):
+            # no_sync must cover forward AND backward: DDP decides during forward
+            # whether the backward of that graph all-reduces. Only the window's
+            # last backward syncs, carrying the sum of all micro-batches' grads.
+            with model.no_sync() if i < len(window) - 1 else nullcontext():
+                with self.precision.autocast():
+                    output = model(batch)
+                mb_loss_sum, mb_items = loss_terms(output, batch, count=bool(indices))
+                (mb_loss_sum * (scale / self.loss_divisor)).backward()
+            loss_sum += mb_loss_sum.detach()
+            items += mb_items
+        totals = self._reduce_window(loss_sum, items, sum(len(ix) for ix in window))
+        outcome = self._apply(totals, scale, step)
+        outcome.allreduces = self.counter.calls - calls0
+        outcome.allreduce_bytes = self.counter.bytes - bytes0
+        return outcome
+
+    def _reduce_window(self, loss_sum: torch.Tensor, items: torch.Tensor, samples: int) -> dict:
+        """One all-reduce of the step's totals and non-finite flags.
+
+        Gradients are already identical on all ranks here (the last backward
+        all-reduced them), but the flags are summed anyway so that the skip
+        decision is the same on every rank by construction, whatever happened
+        locally. float64 keeps item counts exact far beyond 2**24.
+        """
+        grads = [p.grad for p in self.params if p.grad is not None]
+        self._raw_norm = torch.nn.utils.get_total_norm(grads, error_if_nonfinite=False) if grads else None
+        world = self.env.world_size
+        stats = torch.zeros(4 + world, dtype=torch.float64, device=self.env.device)
+        stats[0], stats[1], stats[2] = loss_sum, items, samples
+        if self._raw_norm is not None:
+            stats[3] = (~torch.isfinite(self._raw_norm)).to(torch.float64)
+        stats[4 + self.env.rank] = (~torch.isfinite(loss_sum)).to(torch.float64)
+        dist.all_reduce(stats)
+        values = stats.tolist()  # the step's one host sync
+        bad_ranks = [r for r in range(world) if values[4 + r] > 0]
+        return {"loss_sum": values[0], "items": values[1], "samples": int(values[2]),
+                "nonfinite": values[3] > 0 or bool(bad_ranks), "bad_ranks": bad_ranks}
+
+    def _apply(self, totals: dict, scale: float, step: int) -> StepOutcome:
+        lr = lr_at(self.updates, self.plan.lr, self.optim_cfg, self.plan.max_steps)
+        items = totals["items"]
+        loss = totals["loss_sum"] / items if items > 0 else float("nan")
+        outcome = StepOutcome(loss, int(items), totals["samples"], lr,
+                              scale if self.precision.scaler.dynamic else None, None, True, 0, 0)
+        if totals["nonfinite"] or items <= 0:
+            self._skip(totals, step)
+            return outcome
+        # DDP averaged over ranks; undo that, the loss scale and the divisor, and
+        # divide by the true item count of the whole step: one multiply.
+        factor = self.env.world_size * self.loss_divisor / (scale * items)
+        grad_norm = self._raw_norm.item() * factor
+        clip = self.optim_cfg.grad_clip
+        if clip is not None and grad_norm > clip:
+            factor *= clip / (grad_norm + 1e-6)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        torch._foreach_mul_(grads, factor)  # one fused multiply (the kernel torch.optim uses)
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+        self.updates += 1
+        self.consecutive_skips = 0
+        self.precision.scaler.update(found_inf=False, step=step)
+        self.loss_divisor = items / (self.env.world_size * self.plan.accum_steps)
+        outcome.grad_norm, outcome.skipped = grad_norm, False
+        return outcome
+
+    def _skip(self, totals: dict, step: int) -> None:
+        """Skip the update on every rank: parameters, optimizer and lr schedule stay put."""
+        self.optimizer.zero_grad(set_to_none=True)
+        scaler = self.precision.scaler
+        if scaler.dynamic:
+            scaler.update(found_inf=True, step=step)  # may raise LossScaleError at min_scale
+            return
+        self.consecutive_skips += 1
+        where = f"non-finite loss on ranks {totals['bad_ranks']}" if totals["bad_ranks"] else "non-finite gradients"
+        if self.trainer_cfg.nonfinite == "stop":
+            raise NonFiniteError(
+                f"step {step}: {where} in precision {self.precision.name}; nothing was updated. "
+                "Lower optim.lr or set optim.grad_clip; trainer.nonfinite=skip skips such steps instead."
+            )
+        if self.consecutive_skips > self.trainer_cfg.max_consecutive_skips:
+            raise NonFiniteError(
+                f"step {step}: {where}, {self.consecutive_skips} steps in a row, more than "
+                f"trainer.max_consecutive_skips={self.trainer_cfg.max_consecutive_skips}; training is diverging."
+            )

@@ -1,0 +1,22 @@
+import os
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _quiet_single_thread_env(monkeypatch):
+    """Ranks share 2 cores: one intra-op thread each; gloo on loopback."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():  # a failed test must not leak its group
+        dist.destroy_process_group()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: longer than the default suite allows; run with -m slow")
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")

@@ -1,0 +1,75 @@
+"""The command line as users run it: python -m dist_trainer and torchrun, in subprocesses."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from helpers import run_module
+
+BAD_CONFIGS = [
+    # (overrides, text the error must contain)
+    (["batch.global_batch_size=100"], "batch.global_batch_size=100"),
+    (["batch.micro_batch_size=-4"], "batch.micro_batch_size"),
+    (["batch.global_batch_size=-64"], "batch.global_batch_size"),
+    (["precision=fp8"], "precision"),
+    (["optim.lr_scaling=cubic"], "optim.lr_scaling"),
+    (["batch.micro_batch_sise=4"], "micro_batch_sise"),
+    (["trainer.max_steps=many"], "trainer.max_steps"),
+    (["optim.lr_scaling=linear"], "optim.base_batch_size"),
+]
+
+
+@pytest.mark.parametrize("overrides,expected", BAD_CONFIGS, ids=[o[0][0] for o in BAD_CONFIGS])
+def test_bad_config_fails_before_training_naming_the_key(tmp_path, overrides, expected):
+    run_dir = tmp_path / "run"
+    proc = run_module([*overrides, f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=60)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output
+    assert expected in output, output
+    assert not (run_dir / "metrics.jsonl").exists()  # nothing trained
+
+
+def test_impossible_split_suggests_values(tmp_path):
+    proc = run_module(["batch.global_batch_size=100", "batch.micro_batch_size=16", f"hydra.run.dir={tmp_path}"],
+                      cwd=tmp_path, timeout=60)
+    output = proc.stdout + proc.stderr
+    assert "batch.micro_batch_size in [" in output and "(e.g. 96 or 112)" in output, output
+
+
+CONTRACT_FIELDS = {"step", "loss", "lr", "grad_norm", "loss_scale", "skipped", "samples", "allreduces",
+                   "step_time_s", "samples_per_s", "peak_mem_mb"}
+
+
+def test_default_job_under_torchrun_trains_and_writes_the_contract_outputs(tmp_path):
+    proc = run_module(["trainer.max_steps=16", "optim.warmup_steps=4", "trainer.eval_every=0",
+                       "trainer.eval_batches=2", "trainer.log_every=4"],
+                      cwd=tmp_path, timeout=300, torchrun_nproc=2)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    runs = list((tmp_path / "runs").iterdir())
+    assert len(runs) == 1, runs  # both ranks agreed on one run directory
+    run_dir = runs[0]
+    assert (run_dir / "rank0.log").exists() and (run_dir / "rank1.log").exists()
+    assert "world size 2 x micro batch 16 x accum steps 2 = global batch 64" in proc.stdout
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 17))
+    for r in records:
+        assert CONTRACT_FIELDS <= r.keys()
+        assert r["loss_scale"] is None and r["skipped"] is False and r["allreduces"] >= 1
+    assert records[-1]["samples"] == 16 * 64
+    losses = [r["loss"] for r in records]
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses  # byte-level loss starts near ln 256
+    assert math.isfinite(records[-1]["eval_loss"])
+    weights = torch.load(run_dir / "final_model.pt", weights_only=True)
+    assert all(t.dtype == torch.float32 for t in weights.values())
+
+
+def test_single_process_runs_the_same_path(tmp_path):
+    proc = run_module(["trainer.max_steps=3", "batch.global_batch_size=32", "model.n_layer=1",
+                       "precision=bf16-mixed", f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 3 and all(math.isfinite(r["loss"]) for r in records)

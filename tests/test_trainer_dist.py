@@ -1,0 +1,168 @@
+"""The optimizer step under real DDP on gloo, compared with one process and one big batch."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dist_trainer import distributed
+from dist_trainer.config import validate
+from dist_trainer.data import epoch_batches
+from dist_trainer.run import build, train
+from helpers import RegressionMLP, regression_config, run_ranks
+
+
+class GradSnoopMLP(nn.Module):
+    """An MLP that records its parameters' local .grad at the start of every forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 64), nn.Tanh(), nn.Linear(64, 1))
+        self.snapshots = []
+
+    def forward(self, batch):
+        self.snapshots.append([None if p.grad is None else p.grad.clone() for p in self.parameters()])
+        return nn.functional.mse_loss(self.net(batch["x"]).squeeze(-1), batch["y"])
+
+
+class PoisonMLP(nn.Module):
+    """Returns an infinite loss on one chosen forward call of one chosen rank."""
+
+    def __init__(self, poison_rank: int, poison_call: int):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.poison_rank, self.poison_call, self.calls = poison_rank, poison_call, 0
+
+    def forward(self, batch):
+        self.calls += 1
+        loss = nn.functional.mse_loss(self.net(batch["x"]).squeeze(-1).float(), batch["y"])
+        if dist.get_rank() == self.poison_rank and self.calls == self.poison_call:
+            loss = loss * float("inf")
+        return loss
+
+
+def _steps(parts, count):
+    batches = epoch_batches(parts.train_set, parts.step_plan, 0, 0, 0, False)
+    for step, (window, micro_batches) in zip(range(1, count + 1), batches):
+        yield step, parts.trainer.train_step(micro_batches, window, step)
+
+
+def _snoop_worker(rank, world_size, accum):
+    cfg = regression_config(micro=4, accum=accum, steps=2)
+    cfg.model = {"_target_": f"{__name__}.GradSnoopMLP"}
+    env = distributed.init("cpu")
+    parts = build(cfg, validate(cfg, world_size), env)
+    calls = [outcome.allreduces for _, outcome in _steps(parts, 2)]
+    model = parts.trainer.model.module
+    result = {
+        "calls": calls,
+        # Private, test-only: DDP exposes its bucket layout nowhere else.
+        "buckets": len(parts.trainer.model._get_ddp_logging_data()["bucket_sizes"].split(",")),
+        "step2_snapshots": model.snapshots[accum:],  # taken before each micro-batch of step 2
+        "final_grads": [p.grad.clone() for p in model.parameters()],
+    }
+    del parts, model
+    gc.collect()
+    return result
+
+
+def test_one_allreduce_per_bucket_per_step_and_local_grads_differ_until_the_last(tmp_path):
+    accum4 = run_ranks(_snoop_worker, 2, tmp_path, 4)
+    accum1 = run_ranks(_snoop_worker, 2, tmp_path / "a1", 1)
+    for rank in range(2):
+        # As many all-reduces as DDP has buckets, with 4 micro-batches as with 1.
+        assert accum4[rank]["calls"] == accum1[rank]["calls"]
+        assert accum4[rank]["calls"][-1] == accum4[rank]["buckets"] >= 1
+    # Before micro-batches 2..4 each rank holds only its own partial sum: they differ.
+    snaps0, snaps1 = accum4[0]["step2_snapshots"], accum4[1]["step2_snapshots"]
+    assert all(g is None for g in snaps0[0])  # zeroed at the start of the step
+    for k in (1, 2, 3):
+        assert not any(torch.equal(a, b) for a, b in zip(snaps0[k], snaps1[k]))
+    # After the last backward they are all-reduced: bit-identical.
+    for a, b in zip(accum4[0]["final_grads"], accum4[1]["final_grads"]):
+        assert torch.equal(a, b)
+
+
+def test_counter_sees_every_allreduce_without_no_sync(tmp_path):
+    """Guard for the test above: the counter is not blind to extra all-reduces."""
+    results = run_ranks(_naive_sync_worker, 2, tmp_path)
+    assert results[0] == results[1] == 4
+
+
+def _naive_sync_worker(rank, world_size):
+    cfg = regression_config(micro=4, accum=1, steps=1)
+    cfg.model = {"_target_": f"{__name__}.GradSnoopMLP"}
+    env = distributed.init("cpu")
+    parts = build(cfg, validate(cfg, world_size), env)
+    model, counter = parts.trainer.model, parts.trainer.counter
+    x = {"x": torch.randn(4, 4), "y": torch.randn(4), "use_branch": torch.zeros(4, dtype=torch.bool)}
+    model(x).backward()  # first iteration: DDP rebuilds its buckets after it
+    before = counter.calls
+    for _ in range(4):  # 4 micro-batches, no no_sync: 4 all-reduces per bucket
+        model(x).backward()
+    calls = (counter.calls - before) // len(model._get_ddp_logging_data()["bucket_sizes"].split(","))
+    del parts, model
+    gc.collect()
+    return calls
+
+
+def _train_worker(rank, world_size, cfg, run_dir):
+    train(cfg, Path(run_dir))
+
+
+def test_two_ranks_times_accumulation_equal_one_big_batch(tmp_path):
+    # Why the data order makes this hold: every optimizer step takes the same 32
+    # samples (a slice of one seeded permutation, independent of the world size),
+    # and only how they are dealt to ranks and micro-batches changes; the update
+    # is the gradient of their mean either way.
+    big = regression_config(micro=32, accum=1, steps=3)
+    train(big, tmp_path / "big")  # one process, in this one
+    split = regression_config(micro=4, glob=32, steps=3)
+    run_ranks(_train_worker, 2, tmp_path, split, str(tmp_path / "split"))
+    ref = torch.load(tmp_path / "big" / "final_model.pt", weights_only=True)
+    got = torch.load(tmp_path / "split" / "final_model.pt", weights_only=True)
+    assert ref.keys() == got.keys()
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-7, msg=name)
+    # Guard: the comparison is between trained weights, not two copies of the init.
+    torch.manual_seed(big.trainer.seed)
+    init = RegressionMLP(4, 16).state_dict()
+    assert not torch.allclose(init["net.0.weight"], ref["net.0.weight"], rtol=1e-3)
+
+
+def _skip_worker(rank, world_size):
+    cfg = regression_config(micro=4, accum=2, steps=3, precision="fp16-mixed", warmup_steps=5)
+    cfg.precision.loss_scale.init_scale = 1024.0  # low enough that only the poison overflows
+    # Rank 1's 3rd forward is the first micro-batch of step 2 (accum 2).
+    cfg.model = {"_target_": f"{__name__}.PoisonMLP", "poison_rank": 1, "poison_call": 3}
+    env = distributed.init("cpu")
+    parts = build(cfg, validate(cfg, world_size), env)
+    params, outcomes = [], []
+    for _, outcome in _steps(parts, 3):
+        outcomes.append(outcome)
+        params.append([p.detach().clone() for p in parts.trainer.model.parameters()])
+    result = {"params": params, "outcomes": outcomes, "updates": parts.trainer.updates}
+    del parts
+    gc.collect()
+    return result
+
+
+def test_fp16_nonfinite_gradient_on_one_rank_skips_the_step_on_all_ranks(tmp_path):
+    results = run_ranks(_skip_worker, 2, tmp_path)
+    for r in results:
+        skipped = [o.skipped for o in r["outcomes"]]
+        assert skipped == [False, True, False]
+        p1, p2, p3 = r["params"]
+        assert all(torch.equal(a, b) for a, b in zip(p1, p2))  # step 2 changed nothing
+        assert not all(torch.equal(a, b) for a, b in zip(p2, p3))
+        scales = [o.loss_scale for o in r["outcomes"]]
+        assert scales[0] == scales[1] == 1024.0 and scales[2] == 512.0  # backed off once
+        lrs = [o.lr for o in r["outcomes"]]
+        assert lrs[0] < lrs[1] and lrs[1] == lrs[2]  # warmup did not advance on the skip
+        assert r["updates"] == 2
+    for a, b in zip(results[0]["params"][-1], results[1]["params"][-1]):
+        assert torch.equal(a, b)
