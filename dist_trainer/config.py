@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-master", "fp16-master")
 OPTIMIZERS = ("adamw", "sgd")
 LR_SCALINGS = ("none", "linear", "sqrt")
 SCHEDULES = ("constant", "cosine")
@@ -45,7 +45,8 @@ class LossScaleConfig:
 @dataclass
 class PrecisionConfig:
     name: str = "fp32"
-    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)  # fp16 modes only
+    debug_overflow: bool = False  # on a skipped step, log parameters with non-finite grads
 
 
 @dataclass

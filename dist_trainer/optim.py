@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import math
+from typing import List
 
 import torch
-from torch import nn
-
 from .config import OptimConfig
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float) -> torch.optim.Optimizer:
-    """AdamW or SGD; weight decay only on matrices and embeddings (not biases or norms)."""
-    params = [p for p in model.parameters() if p.requires_grad]
+def build_optimizer(params: List[torch.Tensor], cfg: OptimConfig, lr: float) -> torch.optim.Optimizer:
+    """AdamW or SGD over FP32 tensors; weight decay only on matrices and embeddings."""
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},

@@ -12,10 +12,16 @@ from dataclasses import dataclass, field
 from typing import Any, ContextManager, Dict, List, Tuple
 
 import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from .config import LossScaleConfig, PrecisionConfig
 
-AUTOCAST_DTYPES = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+AUTOCAST_DTYPES = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16,
+                   "bf16-master": torch.bfloat16, "fp16-master": torch.float16}
+NORM_LAYERS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.LayerNorm,
+               nn.GroupNorm, nn.RMSNorm, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 
 
 class LossScaleError(RuntimeError):
@@ -50,7 +56,7 @@ class DynamicLossScaler:
     """
 
     cfg: LossScaleConfig
-    scale: float = 0.0
+    scale: float = 0.0  # the factor every micro-batch's loss is multiplied by
     growth_tracker: int = 0  # finite steps since the last change of scale
     hysteresis_left: int = 0  # overflows still tolerated before backing off
     history: List[Tuple[int, float]] = field(default_factory=list)  # (step, new scale)
@@ -103,14 +109,134 @@ class DynamicLossScaler:
         self.history = [(int(s), float(v)) for s, v in state["history"]]
 
 
+class ModelWeights:
+    """fp32 and *-mixed modes: the optimizer steps the model's own FP32 parameters."""
+
+    def __init__(self, model: nn.Module):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+
+    def optimizer_params(self) -> List[torch.Tensor]:
+        return self.params
+
+    def reduce_bucket(self, bucket: dist.GradBucket, group: dist.ProcessGroup | None) -> torch.futures.Future:
+        # DDP's default: divide by world size, all-reduce (sum).
+        return default_hooks.allreduce_hook(group, bucket)
+
+    def accumulate(self) -> None:
+        pass  # .grad accumulates across micro-batches by itself
+
+    def grads(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """(model parameter, its gradient) for every parameter that has one."""
+        return [(p, p.grad) for p in self.params if p.grad is not None]
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def after_step(self) -> None:
+        pass
+
+    def fp32_state_dict(self, model: nn.Module) -> Dict[str, torch.Tensor]:
+        return _fp32_copy(model.state_dict())
+
+
+class MasterWeights:
+    """*-master modes: half-precision parameters, FP32 masters owned by the optimizer side.
+
+    Each parameter gets an FP32 master whose ``.grad`` is the FP32 accumulation
+    buffer of the step. After every micro-batch but the last, the half gradient
+    is added into it and cleared, so small contributions are not rounded away
+    in a half-precision sum. The last micro-batch's backward all-reduces through
+    ``reduce_bucket``: it adds the bucket's half gradients to the FP32 buffers
+    and all-reduces that FP32 window sum. All-reducing only the last
+    micro-batch's ``.grad`` would silently drop the other micro-batches' share
+    of the other ranks and desynchronise them.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.masters = [p.detach().float().clone() for p in self.params]
+        for master in self.masters:
+            master.grad = torch.zeros_like(master)
+        self.master_of = {p: m for p, m in zip(self.params, self.masters)}
+
+    def optimizer_params(self) -> List[torch.Tensor]:
+        return self.masters
+
+    def reduce_bucket(self, bucket: dist.GradBucket, group: dist.ProcessGroup | None) -> torch.futures.Future:
+        buffers = [self.master_of[p].grad for p in bucket.parameters()]
+        window = torch.cat([(b + g.float()).view(-1) for b, g in zip(buffers, bucket.gradients())])
+        window.div_(dist.get_world_size(group))  # DDP's convention: the mean over ranks
+        future = dist.all_reduce(window, group=group, async_op=True).get_future()
+
+        def unpack(fut: torch.futures.Future) -> torch.Tensor:
+            reduced, offset = fut.value()[0], 0
+            for buf in buffers:
+                buf.copy_(reduced[offset:offset + buf.numel()].view_as(buf))
+                offset += buf.numel()
+            # DDP copies this into the half .grad, which nothing reads: the FP32
+            # buffers now hold the step's gradient.
+            return bucket.buffer().zero_()
+
+        return future.then(unpack)
+
+    @torch.no_grad()
+    def accumulate(self) -> None:
+        for p in self.params:
+            if p.grad is not None:
+                self.master_of[p].grad.add_(p.grad)
+                p.grad = None
+
+    def grads(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """(model parameter, its FP32 gradient) for every parameter."""
+        return [(p, m.grad) for p, m in zip(self.params, self.masters)]
+
+    def zero_grad(self) -> None:
+        for p, m in zip(self.params, self.masters):
+            p.grad = None
+            m.grad.zero_()
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        for p, m in zip(self.params, self.masters):
+            p.copy_(m)  # round the updated FP32 master into the half parameter
+
+    def fp32_state_dict(self, model: nn.Module) -> Dict[str, torch.Tensor]:
+        state = _fp32_copy(model.state_dict())
+        for name, p in model.named_parameters():
+            if p in self.master_of:
+                state[name] = self.master_of[p].detach().cpu().clone()
+        return state
+
+
+def _fp32_copy(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    return {k: (v.float() if v.is_floating_point() else v).detach().cpu().clone() for k, v in state.items()}
+
+
 class Precision:
+    """Autocast, loss scaling and where the FP32 weights live, for one precision mode."""
+
     def __init__(self, cfg: PrecisionConfig, device: torch.device):
         self.name = cfg.name
         self.device_type = device.type
         self.autocast_dtype = AUTOCAST_DTYPES[cfg.name]
+        self.param_dtype = self.autocast_dtype if cfg.name.endswith("-master") else None
         self.scaler = DynamicLossScaler(cfg.loss_scale) if cfg.name.startswith("fp16") else ConstantScaler()
+        self.debug_overflow = cfg.debug_overflow
 
     def autocast(self) -> ContextManager:
         if self.autocast_dtype is None:
             return nullcontext()
         return torch.autocast(self.device_type, dtype=self.autocast_dtype)
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """Master modes store parameters in half precision; normalisation layers stay FP32."""
+        if self.param_dtype is not None:
+            model.to(self.param_dtype)
+            for module in model.modules():
+                if isinstance(module, NORM_LAYERS):
+                    module.float()  # statistics and their affine in FP32
+        return model
+
+    def weights(self, model: nn.Module) -> "ModelWeights | MasterWeights":
+        return MasterWeights(model) if self.param_dtype is not None else ModelWeights(model)

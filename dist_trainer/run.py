@@ -21,7 +21,7 @@ from .data import StepPlan, build_dataset, epoch_batches, eval_loader
 from .distributed import DistEnv
 from .metrics import MetricsWriter, console_line, peak_mem_mb
 from .optim import build_optimizer
-from .parallel import apply_ddp
+from .parallel import apply_ddp, count_allreduces
 from .precision import Precision
 from .trainer import Trainer, loss_terms
 
@@ -51,11 +51,6 @@ def evaluate(model: nn.Module, loader: Any, precision: Precision, device: torch.
     dist.all_reduce(totals)  # every rank calls it, even one with no eval batches
     model.train()
     return (totals[0] / totals[1]).item()
-
-
-def fp32_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
-    return {k: (v.float() if v.is_floating_point() else v).detach().cpu().clone()
-            for k, v in model.state_dict().items()}
 
 
 def startup_report(plan: BatchPlan, env: DistEnv, cfg: Config, model: nn.Module,
@@ -100,11 +95,13 @@ def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
     torch.manual_seed(cfg.trainer.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
     train_set = build_dataset(cfg.data)
     eval_set = build_dataset(cfg.data, split="val") if "split" in cfg.data else None
-    model = instantiate(cfg.model, _convert_="all")
-    ddp, counter = apply_ddp(model, env, cfg.dist)
-    optimizer = build_optimizer(ddp.module, cfg.optim, plan.lr)
     precision = Precision(cfg.precision, env.device)
-    trainer = Trainer(ddp, optimizer, precision, counter, env, plan, cfg.optim, cfg.trainer)
+    model = precision.prepare(instantiate(cfg.model, _convert_="all"))
+    ddp = apply_ddp(model, env, cfg.dist)
+    weights = precision.weights(ddp.module)
+    counter = count_allreduces(ddp, weights.reduce_bucket)
+    optimizer = build_optimizer(weights.optimizer_params(), cfg.optim, plan.lr)
+    trainer = Trainer(ddp, optimizer, precision, weights, counter, env, plan, cfg.optim, cfg.trainer)
     step_plan = StepPlan(len(train_set), plan, env.rank, cfg.trainer.seed,
                          cfg.data.get("shuffle", True), cfg.data.get("drop_last", False))
     torch.manual_seed(cfg.trainer.seed + env.rank)  # dropout and other runtime randomness per rank
@@ -123,7 +120,7 @@ def _train(cfg: Config, plan: BatchPlan, env: DistEnv, run_dir: Path) -> Dict[st
     finally:
         metrics.close()
     if env.is_main:
-        torch.save(fp32_state_dict(model), run_dir / "final_model.pt")
+        torch.save(parts.trainer.weights.fp32_state_dict(model), run_dir / "final_model.pt")
     return summary
 
 

@@ -18,6 +18,7 @@ however the step is split.
 
 from __future__ import annotations
 
+import logging
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, List, Mapping, Optional
@@ -31,7 +32,9 @@ from .data import Window
 from .distributed import DistEnv
 from .optim import lr_at, set_lr
 from .parallel import AllreduceCounter
-from .precision import Precision
+from .precision import MasterWeights, ModelWeights, Precision
+
+log = logging.getLogger("dist_trainer")
 
 
 class NonFiniteError(RuntimeError):
@@ -85,34 +88,40 @@ class Trainer:
     """Holds what the step needs; built once, before the loop."""
 
     def __init__(self, model: DDP, optimizer: torch.optim.Optimizer, precision: Precision,
-                 counter: AllreduceCounter, env: DistEnv, plan: BatchPlan,
-                 optim_cfg: OptimConfig, trainer_cfg: TrainerConfig):
-        self.model, self.optimizer, self.precision = model, optimizer, precision
+                 weights: ModelWeights | MasterWeights, counter: AllreduceCounter, env: DistEnv,
+                 plan: BatchPlan, optim_cfg: OptimConfig, trainer_cfg: TrainerConfig):
+        self.model, self.optimizer, self.precision, self.weights = model, optimizer, precision, weights
         self.counter, self.env, self.plan = counter, env, plan
         self.optim_cfg, self.trainer_cfg = optim_cfg, trainer_cfg
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.names = {p: name for name, p in model.module.named_parameters()}
         self.updates = 0  # applied optimizer updates: drives the lr schedule
         self.consecutive_skips = 0
         # Divides each micro-batch's summed loss so that its gradient has the size
-        # of a per-sample (or per-item) mean: only the loss scaler's range depends
-        # on it, the update is exact for any value. It must be equal on all ranks.
-        self.loss_divisor = float(plan.micro_batch_size)
+        # of a per-item mean: the items of an average micro-batch in the previous
+        # step (None before the first). Only the loss scaler's range depends on
+        # it, the update is exact for any value; it must be equal on all ranks.
+        self.loss_divisor: Optional[float] = None
 
     def train_step(self, batches: List[Any], window: Window, step: int) -> StepOutcome:
         model, scale = self.model, self.precision.scaler.scale
         calls0, bytes0 = self.counter.calls, self.counter.bytes
-        self.optimizer.zero_grad(set_to_none=True)
+        self.weights.zero_grad()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
         items = torch.zeros((), dtype=torch.float64, device=self.env.device)
         for i, (batch, indices) in enumerate(zip(batches, window)):
             # no_sync must cover forward AND backward: DDP decides during forward
             # whether the backward of that graph all-reduces. Only the window's
             # last backward syncs, carrying the sum of all micro-batches' grads.
-            with model.no_sync() if i < len(window) - 1 else nullcontext():
+            last = i == len(window) - 1
+            with nullcontext() if last else model.no_sync():
                 with self.precision.autocast():
                     output = model(batch)
                 mb_loss_sum, mb_items = loss_terms(output, batch, count=bool(indices))
+                if self.loss_divisor is None:
+                    self.loss_divisor = self._first_divisor(mb_items)
                 (mb_loss_sum * (scale / self.loss_divisor)).backward()
+            if not last:
+                self.weights.accumulate()  # master modes: into the FP32 buffers
             loss_sum += mb_loss_sum.detach()
             items += mb_items
         totals = self._reduce_window(loss_sum, items, sum(len(ix) for ix in window))
@@ -120,6 +129,12 @@ class Trainer:
         outcome.allreduces = self.counter.calls - calls0
         outcome.allreduce_bytes = self.counter.bytes - bytes0
         return outcome
+
+    def _first_divisor(self, items: torch.Tensor) -> float:
+        """Items of the first micro-batch, averaged over ranks: once, at the first step."""
+        total = items.detach().clone().to(torch.float64)
+        dist.all_reduce(total)
+        return max(total.item() / self.env.world_size, 1.0)
 
     def _reduce_window(self, loss_sum: torch.Tensor, items: torch.Tensor, samples: int) -> dict:
         """One all-reduce of the step's totals and non-finite flags.
@@ -129,7 +144,7 @@ class Trainer:
         decision is the same on every rank by construction, whatever happened
         locally. float64 keeps item counts exact far beyond 2**24.
         """
-        grads = [p.grad for p in self.params if p.grad is not None]
+        grads = [g for _, g in self.weights.grads()]
         self._raw_norm = torch.nn.utils.get_total_norm(grads, error_if_nonfinite=False) if grads else None
         world = self.env.world_size
         stats = torch.zeros(4 + world, dtype=torch.float64, device=self.env.device)
@@ -147,6 +162,8 @@ class Trainer:
         lr = lr_at(self.updates, self.plan.lr, self.optim_cfg, self.plan.max_steps)
         items = totals["items"]
         loss = totals["loss_sum"] / items if items > 0 else float("nan")
+        if items > 0:
+            self.loss_divisor = items / (self.env.world_size * self.plan.accum_steps)
         outcome = StepOutcome(loss, int(items), totals["samples"], lr,
                               scale if self.precision.scaler.dynamic else None, None, True, 0, 0)
         if totals["nonfinite"] or items <= 0:
@@ -159,20 +176,27 @@ class Trainer:
         clip = self.optim_cfg.grad_clip
         if clip is not None and grad_norm > clip:
             factor *= clip / (grad_norm + 1e-6)
-        grads = [p.grad for p in self.params if p.grad is not None]
+        grads = [g for _, g in self.weights.grads()]
         torch._foreach_mul_(grads, factor)  # one fused multiply (the kernel torch.optim uses)
         set_lr(self.optimizer, lr)
         self.optimizer.step()
+        self.weights.after_step()  # master modes: FP32 masters -> half parameters
         self.updates += 1
         self.consecutive_skips = 0
         self.precision.scaler.update(found_inf=False, step=step)
-        self.loss_divisor = items / (self.env.world_size * self.plan.accum_steps)
         outcome.grad_norm, outcome.skipped = grad_norm, False
         return outcome
 
+    def nonfinite_names(self, limit: int = 5) -> List[str]:
+        """Names of the first parameters whose gradient holds inf or NaN (costs a sync each)."""
+        bad = [self.names.get(p, "?") for p, g in self.weights.grads() if not torch.isfinite(g).all()]
+        return bad[:limit]
+
     def _skip(self, totals: dict, step: int) -> None:
         """Skip the update on every rank: parameters, optimizer and lr schedule stay put."""
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.precision.debug_overflow:
+            log.warning("step %d: non-finite gradients in %s", step, ", ".join(self.nonfinite_names()) or "none")
+        self.weights.zero_grad()
         scaler = self.precision.scaler
         if scaler.dynamic:
             scaler.update(found_inf=True, step=step)  # may raise LossScaleError at min_scale

@@ -1,0 +1,100 @@
+"""FP32 master weights with plain DDP, and synchronized BatchNorm through the trainer."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from dist_trainer import distributed
+from dist_trainer.config import validate
+from dist_trainer.data import epoch_batches
+from dist_trainer.run import build, train
+from helpers import regression_config, run_ranks
+
+
+def _gpt_config(precision: str, steps: int, micro: int = 4, glob: int = 32):
+    cfg = regression_config(micro=micro, glob=glob, steps=steps, precision=precision, lr=3e-3, warmup_steps=0,
+                            schedule="constant", grad_clip=1.0)
+    cfg.model = {"_target_": "dist_trainer.models.GPT", "vocab_size": 256, "block_size": 32,
+                 "n_layer": 1, "n_head": 2, "n_embd": 32}
+    cfg.data = {"_target_": "dist_trainer.datasets.char_text", "block_size": 32, "min_len": 4}
+    return cfg
+
+
+def _master_worker(rank, world_size, precision, steps):
+    cfg = _gpt_config(precision, steps)
+    parts = build(cfg, validate(cfg, world_size), distributed.init("cpu"))
+    trainer = parts.trainer
+    losses = []
+    batches = epoch_batches(parts.train_set, parts.step_plan, 0, 0, 0, False)
+    for step, (window, micro_batches) in zip(range(1, steps + 1), batches):
+        losses.append(trainer.train_step(micro_batches, window, step).loss)
+    weights = trainer.weights
+    result = {
+        "losses": losses,
+        "masters": [m.detach().clone() for m in weights.optimizer_params()],
+        "param_dtypes": sorted({str(p.dtype) for p in trainer.model.module.parameters()}),
+        "master_dtypes": sorted({str(m.dtype) for m in weights.optimizer_params()}),
+        "half_matches_master": all(torch.equal(p.detach(), m.to(p.dtype))
+                                   for p, m in zip(weights.params, weights.masters)),
+    }
+    del parts, trainer, weights
+    gc.collect()
+    return result
+
+
+def test_master_weights_stay_bit_identical_across_ranks_with_accumulation(tmp_path):
+    # accum 4 (2 ranks x micro 4 x 4 = 32): if only the last micro-batch's
+    # gradient were all-reduced, the FP32 masters would drift apart at once.
+    for precision in ("bf16-master", "fp16-master"):
+        r0, r1 = run_ranks(_master_worker, 2, tmp_path / precision, precision, 4)
+        half = {"bf16-master": torch.bfloat16, "fp16-master": torch.float16}[precision]
+        assert set(r0["param_dtypes"]) == {str(torch.float32), str(half)}  # LayerNorm stays FP32
+        assert r0["master_dtypes"] == [str(torch.float32)]
+        assert r0["half_matches_master"] and r1["half_matches_master"]
+        for a, b in zip(r0["masters"], r1["masters"]):
+            assert torch.equal(a, b)
+
+
+def _final_loss(precision: str, tmp_path, steps: int = 30) -> float:
+    cfg = _gpt_config(precision, steps, micro=8, glob=32)
+    return train(cfg, tmp_path / precision)["loss"]
+
+
+def test_half_master_modes_train_as_well_as_fp32(tmp_path):
+    # Same data, same steps: the final loss of each master mode is within 2% of fp32's.
+    fp32 = _final_loss("fp32", tmp_path)
+    assert fp32 < 4.0  # it learned something: ln(256) = 5.55 at the start
+    for precision in ("bf16-master", "fp16-master"):
+        loss = _final_loss(precision, tmp_path)
+        assert abs(loss - fp32) / fp32 < 0.02, (precision, loss, fp32)
+        weights = torch.load(tmp_path / precision / "final_model.pt", weights_only=True)
+        assert {t.dtype for t in weights.values()} == {torch.float32}
+
+
+def _bn_config(micro: int, steps: int = 3):
+    # SGD: the conv bias before BatchNorm has a zero true gradient, and Adam would
+    # blow its rounding noise up to full-size steps.
+    cfg = regression_config(micro=micro, accum=1, steps=steps, name="sgd", lr=0.05, weight_decay=0.0,
+                            grad_clip=None)
+    cfg.model = {"_target_": "dist_trainer.models.DigitsConvNet", "width": 8}
+    cfg.data = {"_target_": "dist_trainer.datasets.digits", "split": "train"}
+    cfg.dist.sync_batchnorm = True
+    return cfg
+
+
+def _bn_worker(rank, world_size, run_dir):
+    train(_bn_config(micro=8), run_dir)
+
+
+def test_sync_batchnorm_on_two_ranks_equals_one_process_on_the_whole_batch(tmp_path):
+    # 2 ranks x 8 samples with synchronized statistics see exactly the batch
+    # statistics of 16 samples in one process: weights and running stats agree.
+    train(_bn_config(micro=16), tmp_path / "one")
+    run_ranks(_bn_worker, 2, tmp_path, tmp_path / "two")
+    ref = torch.load(tmp_path / "one" / "final_model.pt", weights_only=True)
+    got = torch.load(tmp_path / "two" / "final_model.pt", weights_only=True)
+    assert any("running_var" in k for k in got)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
