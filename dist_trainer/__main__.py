@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from . import distributed
 from .config import Config, ConfigError
 from .precision import LossScaleError
+from .signals import EXIT_REQUEUE, Preempted
 from .trainer import NonFiniteError
 
 # Every rank runs Hydra on its own: the run directory must be keyed on something
@@ -53,6 +54,9 @@ def main(dict_cfg: DictConfig) -> None:
     except (ConfigError, LossScaleError, NonFiniteError) as err:
         log.error("%s", err)
         sys.exit(2)
+    except Preempted as err:
+        log.warning("%s", err)
+        sys.exit(EXIT_REQUEUE)
 
 
 if __name__ == "__main__":

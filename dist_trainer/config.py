@@ -75,6 +75,8 @@ class TrainerConfig:
     eval_every: int = 100  # optimizer steps; 0 disables periodic eval
     eval_batches: int = 10  # micro-batches per rank per evaluation
     device: str = "auto"  # auto | cpu | cuda
+    ckpt_every: int = 100  # optimizer steps between checkpoints (and one at the end); 0: only at the end
+    keep_checkpoints: int = 3  # newest checkpoints kept
     nonfinite: str = "stop"  # fp32/bf16 non-finite gradients: stop or skip the step
     max_consecutive_skips: int = 10  # with nonfinite=skip
 
@@ -197,6 +199,8 @@ def _validate_values(cfg: Config) -> None:
     _check(t.log_every >= 1, "trainer.log_every", t.log_every, "must be >= 1")
     _check(t.eval_every >= 0, "trainer.eval_every", t.eval_every, "must be >= 0 (0 disables)")
     _check(t.eval_batches >= 1, "trainer.eval_batches", t.eval_batches, "must be >= 1")
+    _check(t.ckpt_every >= 0, "trainer.ckpt_every", t.ckpt_every, "must be >= 0 (0: only at the end)")
+    _check(t.keep_checkpoints >= 1, "trainer.keep_checkpoints", t.keep_checkpoints, "must be >= 1")
     _check(t.device in ("auto", "cpu", "cuda"), "trainer.device", t.device, "choose auto, cpu or cuda")
     _check(t.nonfinite in NONFINITE_POLICIES, "trainer.nonfinite", t.nonfinite, f"choose one of {NONFINITE_POLICIES}")
     _check(t.max_consecutive_skips >= 1, "trainer.max_consecutive_skips", t.max_consecutive_skips, "must be >= 1")

@@ -93,8 +93,7 @@ def epoch_batches(dataset: Dataset, step_plan: StepPlan, epoch: int, start_step:
     """Yield (window, its collated micro-batches) for each remaining step of an epoch."""
     windows = list(step_plan.windows(epoch, start_step))
     loader = DataLoader(dataset, batch_sampler=_MicroBatchSampler(windows, 0),
-                        num_workers=num_workers, pin_memory=pin_memory,
-                        persistent_workers=False)
+                        num_workers=num_workers, pin_memory=pin_memory, generator=_own_generator(epoch))
     batches = iter(loader)
     for window in windows:
         yield window, [next(batches) for _ in window]
@@ -106,4 +105,11 @@ def eval_loader(dataset: Dataset, micro_batch_size: int, max_batches: int, rank:
     count = min(len(dataset), max_batches * micro_batch_size * world_size)
     indices = list(range(rank, count, world_size))  # no padding: nothing counted twice
     batches = [indices[i:i + micro_batch_size] for i in range(0, len(indices), micro_batch_size)]
-    return DataLoader(dataset, batch_sampler=batches, num_workers=num_workers)
+    return DataLoader(dataset, batch_sampler=batches, num_workers=num_workers, generator=_own_generator(-1))
+
+
+def _own_generator(seed: int) -> torch.Generator:
+    # A DataLoader draws its workers' base seed from this generator, or else from
+    # the global RNG: that draw would shift dropout's random stream whenever a
+    # loader starts, and a resumed run (which starts one mid-epoch) would differ.
+    return torch.Generator().manual_seed(1_000_003 + seed)

@@ -29,8 +29,19 @@ def _strict(value: Any) -> Any:
 
 
 class MetricsWriter:
-    def __init__(self, path: Optional[Path]):
-        self.file = open(path, "w", buffering=1) if path is not None else None
+    """Appends one line per step; on resume, first drops lines after the resumed step."""
+
+    def __init__(self, path: Optional[Path], keep_until: int = 0):
+        self.file = None
+        if path is None:
+            return
+        kept = []
+        if keep_until > 0 and path.exists():
+            # Steps after the checkpoint were lost with the crash and will run again.
+            kept = [line for line in path.read_text().splitlines(keepends=True)
+                    if line.strip() and _step_of(line) is not None and _step_of(line) <= keep_until]
+        self.file = open(path, "w", buffering=1)
+        self.file.writelines(kept)
 
     def write(self, record: Dict[str, Any]) -> None:
         if self.file is not None:
@@ -39,6 +50,13 @@ class MetricsWriter:
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
+
+
+def _step_of(line: str) -> Optional[int]:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None  # a line cut short by a crash
 
 
 def console_line(record: Dict[str, Any], max_steps: int) -> str:

@@ -139,6 +139,9 @@ class ModelWeights:
     def fp32_state_dict(self, model: nn.Module) -> Dict[str, torch.Tensor]:
         return _fp32_copy(model.state_dict())
 
+    def load_fp32_state_dict(self, model: nn.Module, state: Dict[str, torch.Tensor]) -> None:
+        model.load_state_dict(state)
+
 
 class MasterWeights:
     """*-master modes: half-precision parameters, FP32 masters owned by the optimizer side.
@@ -207,6 +210,13 @@ class MasterWeights:
             if p in self.master_of:
                 state[name] = self.master_of[p].detach().cpu().clone()
         return state
+
+    @torch.no_grad()
+    def load_fp32_state_dict(self, model: nn.Module, state: Dict[str, torch.Tensor]) -> None:
+        model.load_state_dict(state)  # half parameters: rounded copies
+        for name, p in model.named_parameters():
+            if p in self.master_of:
+                self.master_of[p].copy_(state[name])  # masters: exact
 
 
 def _fp32_copy(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

@@ -6,7 +6,7 @@ import gc
 import logging
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict
 
@@ -15,15 +15,16 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from torch import nn
 
-from . import distributed
-from .config import BatchPlan, Config, validate
+from . import checkpoint, distributed
+from .config import BatchPlan, Config, ConfigError, validate
 from .data import StepPlan, build_dataset, epoch_batches, eval_loader
 from .distributed import DistEnv
 from .metrics import MetricsWriter, console_line, peak_mem_mb
 from .optim import build_optimizer
 from .parallel import apply_ddp, count_allreduces
 from .precision import Precision
-from .trainer import Trainer, loss_terms
+from .signals import Preempted, StopRequest
+from .trainer import StepOutcome, Trainer, loss_terms
 
 log = logging.getLogger("dist_trainer")
 
@@ -108,55 +109,113 @@ def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
     return Parts(trainer, step_plan, train_set, eval_set)
 
 
+@dataclass
+class Position:
+    """Where the run is: saved in every checkpoint, so a resume continues exactly."""
+
+    step: int = 0  # optimizer steps done (skipped ones included)
+    epoch: int = 0
+    step_in_epoch: int = 0  # steps of ``epoch`` done
+    samples: int = 0
+
+
 def _train(cfg: Config, plan: BatchPlan, env: DistEnv, run_dir: Path) -> Dict[str, Any]:
     parts = build(cfg, plan, env)
     model = parts.trainer.model.module
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         log.info(startup_report(plan, env, cfg, model, parts.step_plan, run_dir))
-    metrics = MetricsWriter(run_dir / "metrics.jsonl" if env.is_main else None)
+    position = resume(parts, plan, env, run_dir, cfg.trainer.seed)
+    metrics = MetricsWriter(run_dir / "metrics.jsonl" if env.is_main else None, keep_until=position.step)
+    stop = StopRequest()
     try:
-        summary = _loop(cfg, parts, metrics)
+        summary = _loop(cfg, parts, position, metrics, stop, run_dir)
     finally:
+        stop.close()
         metrics.close()
     if env.is_main:
         torch.save(parts.trainer.weights.fp32_state_dict(model), run_dir / "final_model.pt")
     return summary
 
 
-def _loop(cfg: Config, parts: Parts, metrics: MetricsWriter) -> Dict[str, Any]:
+def resume(parts: Parts, plan: BatchPlan, env: DistEnv, run_dir: Path, seed: int) -> Position:
+    """Load the newest valid checkpoint of the run directory, if there is one."""
+    loaded = checkpoint.load_latest(run_dir, env)
+    if loaded is None:
+        return Position()
+    shared, rng = loaded
+    saved_global = shared["plan"]["global_batch_size"]
+    if saved_global != plan.global_batch_size:
+        raise ConfigError(
+            f"batch.global_batch_size={plan.global_batch_size} on {env.world_size} ranks, but the checkpoint in "
+            f"{run_dir} was trained with a global batch of {saved_global}: set batch.global_batch_size="
+            f"{saved_global} (accum steps are re-derived for the new world size), or start a new run directory"
+        )
+    parts.trainer.load_state_dict(shared["trainer"])
+    position = Position(**shared["loop"])
+    if rng is not None:
+        checkpoint.restore_rng(rng, env.device)
+    else:  # more ranks than when it was saved: a fresh, distinct stream per rank
+        log.warning("no saved RNG state for rank %d; seeding it from trainer.seed", env.rank)
+        torch.manual_seed(seed + env.rank + 1_000_003 * position.step)
+    return position
+
+
+def save_checkpoint(parts: Parts, position: Position, env: DistEnv, run_dir: Path, keep: int) -> None:
+    shared = {"trainer": parts.trainer.state_dict(), "loop": asdict(position),
+              "plan": asdict(parts.trainer.plan)}
+    path = checkpoint.save(run_dir, position.step, shared, env, keep)
+    log.info("step %d: checkpoint %s", position.step, path)
+
+
+def _loop(cfg: Config, parts: Parts, position: Position, metrics: MetricsWriter, stop: StopRequest,
+          run_dir: Path) -> Dict[str, Any]:
     trainer, eval_set = parts.trainer, parts.eval_set
     env, plan, tcfg = trainer.env, trainer.plan, cfg.trainer
     num_workers = cfg.data.get("num_workers", 0)
     pin = env.device.type == "cuda"
     evals = eval_set is not None and (
         eval_loader(eval_set, plan.micro_batch_size, tcfg.eval_batches, env.rank, env.world_size, num_workers))
-    step, epoch, samples, record = 0, 0, 0, {}
+    record: Dict[str, Any] = {}
     tick = time.perf_counter()
-    while step < plan.max_steps:
-        for window, batches in epoch_batches(parts.train_set, parts.step_plan, epoch, 0, num_workers, pin):
-            step += 1
-            outcome = trainer.train_step([to_device(b, env.device) for b in batches], window, step)
-            samples += outcome.samples
+    while position.step < plan.max_steps:
+        batches_of_epoch = epoch_batches(parts.train_set, parts.step_plan, position.epoch,
+                                         position.step_in_epoch, num_workers, pin)
+        for window, batches in batches_of_epoch:
+            step = position.step + 1
+            outcome = trainer.train_step([to_device(b, env.device) for b in batches], window, step,
+                                         stop_requested=stop.requested)
+            position.step, position.step_in_epoch = step, position.step_in_epoch + 1
+            position.samples += outcome.samples
             now = time.perf_counter()
-            step_time, tick = now - tick, now
-            record = {
-                "step": step, "epoch": epoch, "loss": outcome.loss, "lr": outcome.lr,
-                "grad_norm": outcome.grad_norm, "loss_scale": outcome.loss_scale,
-                "skipped": outcome.skipped, "updates": trainer.updates, "samples": samples,
-                "items": outcome.items, "allreduces": outcome.allreduces,
-                "allreduce_bytes": outcome.allreduce_bytes, "step_time_s": step_time,
-                "samples_per_s": outcome.samples / step_time, "items_per_s": outcome.items / step_time,
-                "peak_mem_mb": peak_mem_mb(env.device),
-            }
-            if evals and ((tcfg.eval_every and step % tcfg.eval_every == 0) or step == plan.max_steps):
+            record = step_record(outcome, position, trainer.updates, now - tick, env)
+            last = step == plan.max_steps
+            if evals and ((tcfg.eval_every and step % tcfg.eval_every == 0) or last):
                 record["eval_loss"] = evaluate(trainer.model.module, evals, trainer.precision, env.device)
-                tick = time.perf_counter()  # evaluation time is not step time
             metrics.write(record)
-            if step % tcfg.log_every == 0 or step == 1 or step == plan.max_steps:
+            if step % tcfg.log_every == 0 or step == 1 or last or outcome.stop_requested:
                 log.info(console_line(record, plan.max_steps))
-            if step == plan.max_steps:
+            if last or outcome.stop_requested or (tcfg.ckpt_every and step % tcfg.ckpt_every == 0):
+                save_checkpoint(parts, position, env, run_dir, tcfg.keep_checkpoints)
+            if outcome.stop_requested:
+                raise Preempted(f"step {step}: stop requested by a signal; checkpoint written, "
+                                "start again in the same run directory to resume")
+            tick = time.perf_counter()  # evaluation and checkpoint time is not step time
+            if last:
                 break
-        epoch += 1
-    return {"steps": step, "updates": trainer.updates, "samples": samples,
+        else:
+            position.epoch, position.step_in_epoch = position.epoch + 1, 0
+    return {"steps": position.step, "updates": trainer.updates, "samples": position.samples,
             "loss": record.get("loss"), "eval_loss": record.get("eval_loss")}
+
+
+def step_record(outcome: StepOutcome, position: Position, updates: int, step_time: float,
+                env: DistEnv) -> Dict[str, Any]:
+    return {
+        "step": position.step, "epoch": position.epoch, "loss": outcome.loss, "lr": outcome.lr,
+        "grad_norm": outcome.grad_norm, "loss_scale": outcome.loss_scale, "skipped": outcome.skipped,
+        "updates": updates, "samples": position.samples, "items": outcome.items,
+        "allreduces": outcome.allreduces, "allreduce_bytes": outcome.allreduce_bytes,
+        "step_time_s": step_time, "samples_per_s": outcome.samples / step_time,
+        "items_per_s": outcome.items / step_time, "peak_mem_mb": peak_mem_mb(env.device),
+    }

@@ -50,6 +50,7 @@ class StepOutcome:
     loss_scale: Optional[float]  # the scale this step used; None without dynamic scaling
     grad_norm: Optional[float]  # global norm of the unscaled gradients, before clipping
     skipped: bool
+    stop_requested: bool  # some rank was asked to stop (SIGTERM/SIGUSR1): all ranks stop after this step
     allreduces: int  # gradient all-reduce calls issued by DDP in this step
     allreduce_bytes: int
 
@@ -102,7 +103,7 @@ class Trainer:
         # it, the update is exact for any value; it must be equal on all ranks.
         self.loss_divisor: Optional[float] = None
 
-    def train_step(self, batches: List[Any], window: Window, step: int) -> StepOutcome:
+    def train_step(self, batches: List[Any], window: Window, step: int, stop_requested: bool = False) -> StepOutcome:
         model, scale = self.model, self.precision.scaler.scale
         calls0, bytes0 = self.counter.calls, self.counter.bytes
         self.weights.zero_grad()
@@ -124,7 +125,7 @@ class Trainer:
                 self.weights.accumulate()  # master modes: into the FP32 buffers
             loss_sum += mb_loss_sum.detach()
             items += mb_items
-        totals = self._reduce_window(loss_sum, items, sum(len(ix) for ix in window))
+        totals = self._reduce_window(loss_sum, items, sum(len(ix) for ix in window), stop_requested)
         outcome = self._apply(totals, scale, step)
         outcome.allreduces = self.counter.calls - calls0
         outcome.allreduce_bytes = self.counter.bytes - bytes0
@@ -136,42 +137,44 @@ class Trainer:
         dist.all_reduce(total)
         return max(total.item() / self.env.world_size, 1.0)
 
-    def _reduce_window(self, loss_sum: torch.Tensor, items: torch.Tensor, samples: int) -> dict:
-        """One all-reduce of the step's totals and non-finite flags.
+    def _reduce_window(self, loss_sum: torch.Tensor, items: torch.Tensor, samples: int, stop: bool) -> dict:
+        """One all-reduce of the step's totals, non-finite flags and stop requests.
 
         Gradients are already identical on all ranks here (the last backward
         all-reduced them), but the flags are summed anyway so that the skip
         decision is the same on every rank by construction, whatever happened
-        locally. float64 keeps item counts exact far beyond 2**24.
+        locally; a stop request (a signal reaches one rank first) likewise.
+        float64 keeps item counts exact far beyond 2**24.
         """
         grads = [g for _, g in self.weights.grads()]
         self._raw_norm = torch.nn.utils.get_total_norm(grads, error_if_nonfinite=False) if grads else None
         world = self.env.world_size
-        stats = torch.zeros(4 + world, dtype=torch.float64, device=self.env.device)
-        stats[0], stats[1], stats[2] = loss_sum, items, samples
+        stats = torch.zeros(5 + world, dtype=torch.float64, device=self.env.device)
+        stats[0], stats[1], stats[2], stats[4] = loss_sum, items, samples, float(stop)
         if self._raw_norm is not None:
             stats[3] = (~torch.isfinite(self._raw_norm)).to(torch.float64)
-        stats[4 + self.env.rank] = (~torch.isfinite(loss_sum)).to(torch.float64)
+        stats[5 + self.env.rank] = (~torch.isfinite(loss_sum)).to(torch.float64)
         dist.all_reduce(stats)
         values = stats.tolist()  # the step's one host sync
-        bad_ranks = [r for r in range(world) if values[4 + r] > 0]
+        bad_ranks = [r for r in range(world) if values[5 + r] > 0]
         return {"loss_sum": values[0], "items": values[1], "samples": int(values[2]),
-                "nonfinite": values[3] > 0 or bool(bad_ranks), "bad_ranks": bad_ranks}
+                "nonfinite": values[3] > 0 or bool(bad_ranks), "stop": values[4] > 0, "bad_ranks": bad_ranks}
 
     def _apply(self, totals: dict, scale: float, step: int) -> StepOutcome:
         lr = lr_at(self.updates, self.plan.lr, self.optim_cfg, self.plan.max_steps)
         items = totals["items"]
         loss = totals["loss_sum"] / items if items > 0 else float("nan")
-        if items > 0:
+        divisor = self.loss_divisor  # the one this step's losses were divided by
+        if items > 0:  # the next step's: items of an average micro-batch of this one
             self.loss_divisor = items / (self.env.world_size * self.plan.accum_steps)
         outcome = StepOutcome(loss, int(items), totals["samples"], lr,
-                              scale if self.precision.scaler.dynamic else None, None, True, 0, 0)
+                              scale if self.precision.scaler.dynamic else None, None, True, totals["stop"], 0, 0)
         if totals["nonfinite"] or items <= 0:
             self._skip(totals, step)
             return outcome
         # DDP averaged over ranks; undo that, the loss scale and the divisor, and
         # divide by the true item count of the whole step: one multiply.
-        factor = self.env.world_size * self.loss_divisor / (scale * items)
+        factor = self.env.world_size * divisor / (scale * items)
         grad_norm = self._raw_norm.item() * factor
         clip = self.optim_cfg.grad_clip
         if clip is not None and grad_norm > clip:
@@ -186,6 +189,25 @@ class Trainer:
         self.precision.scaler.update(found_inf=False, step=step)
         outcome.grad_norm, outcome.skipped = grad_norm, False
         return outcome
+
+    def state_dict(self) -> dict:
+        """Everything the step needs to continue exactly (the loop adds its position)."""
+        return {
+            "model": self.weights.fp32_state_dict(self.model.module),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.precision.scaler.state_dict(),
+            "updates": self.updates,
+            "consecutive_skips": self.consecutive_skips,
+            "loss_divisor": self.loss_divisor,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.weights.load_fp32_state_dict(self.model.module, state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.precision.scaler.load_state_dict(state["scaler"])
+        self.updates = state["updates"]
+        self.consecutive_skips = state["consecutive_skips"]
+        self.loss_divisor = state["loss_divisor"]
 
     def nonfinite_names(self, limit: int = 5) -> List[str]:
         """Names of the first parameters whose gradient holds inf or NaN (costs a sync each)."""

@@ -1,0 +1,180 @@
+"""The only module that writes or reads checkpoints.
+
+Layout, in ``<run dir>/checkpoints/``::
+
+    step_00000100/
+        shared.pt          model (FP32; the masters in master modes), optimizer,
+                           loss scaler, lr schedule and loop position: rank 0 writes it
+        rng_rank<N>.pt     each rank's RNG states (python, numpy, torch, cuda)
+        manifest.json      size and sha256 of every file above, written last
+
+A checkpoint is written under a temporary name, every file flushed and fsynced,
+then renamed into place, so a crash mid-write never leaves one that looks
+valid; on resume the manifest is checked and a corrupt or truncated checkpoint
+is reported and skipped for the previous one. Everything is read with
+``torch.load(weights_only=True)``: a checkpoint cannot run code when loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .distributed import DistEnv
+
+log = logging.getLogger("dist_trainer")
+
+PREFIX = "step_"
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _save_file(obj: Any, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def capture_rng(device: torch.device) -> Dict[str, Any]:
+    """This rank's RNG states, as tensors and plain values (loadable with weights_only)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
+        "torch": torch.get_rng_state(),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def restore_rng(state: Dict[str, Any], device: torch.device) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def save(run_dir: Path, step: int, shared: Dict[str, Any], env: DistEnv, keep: int) -> Path:
+    """Write one checkpoint; every rank calls this (each writes its own RNG file)."""
+    root = checkpoint_dir(run_dir)
+    final = root / f"{PREFIX}{step:08d}"
+    tmp = root / f".tmp-{PREFIX}{step:08d}"
+    if env.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    _save_file(capture_rng(env.device), tmp / f"rng_rank{env.rank}.pt")
+    if env.is_main:
+        _save_file({"format": FORMAT_VERSION, "world_size": env.world_size, **shared}, tmp / "shared.pt")
+    dist.barrier()  # every rank's file is on disk before the manifest seals them
+    if env.is_main:
+        files = sorted(p.name for p in tmp.iterdir())
+        manifest = {"step": step, "world_size": env.world_size, "format": FORMAT_VERSION,
+                    "files": {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+                              for name in files}}
+        with open(tmp / MANIFEST, "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        shutil.rmtree(final, ignore_errors=True)  # a re-save of the same step replaces it
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        _prune(root, keep)
+    dist.barrier()
+    return final
+
+
+def _prune(root: Path, keep: int) -> None:
+    for old in list_checkpoints(root)[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def list_checkpoints(root: Path) -> List[Path]:
+    """Sealed checkpoints, newest first (temporary, unsealed ones never match)."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)]
+    return sorted(found, key=lambda p: p.name, reverse=True)
+
+
+def verify(path: Path) -> Optional[str]:
+    """None if the checkpoint is intact, else what is wrong with it."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        for name, meta in manifest["files"].items():
+            file = path / name
+            if not file.is_file():
+                return f"{name} is missing"
+            if file.stat().st_size != meta["bytes"]:
+                return f"{name} has {file.stat().st_size} bytes, the manifest says {meta['bytes']}"
+            if _sha256(file) != meta["sha256"]:
+                return f"{name} does not match its sha256"
+        if "shared.pt" not in manifest["files"]:
+            return "shared.pt is not in the manifest"
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"unreadable manifest ({err})"
+    return None
+
+
+def _newest_valid(root: Path) -> Optional[Path]:
+    for path in list_checkpoints(root):
+        problem = verify(path)
+        if problem is None:
+            return path
+        log.warning("checkpoint %s is corrupt (%s); trying the previous one", path, problem)
+    return None
+
+
+def load_latest(run_dir: Path, env: DistEnv) -> Optional[Tuple[Dict[str, Any], Optional[Dict[str, Any]]]]:
+    """(shared state, this rank's RNG state or None) of the newest valid checkpoint.
+
+    Rank 0 checks the files and broadcasts its choice, so every rank resumes
+    from the same checkpoint even if they would see the directory differently.
+    """
+    choice = [str(_newest_valid(checkpoint_dir(run_dir)) or "") if env.is_main else None]
+    dist.broadcast_object_list(choice, src=0)
+    if not choice[0]:
+        return None
+    path = Path(choice[0])
+    shared = torch.load(path / "shared.pt", map_location="cpu", weights_only=True)
+    rng_file = path / f"rng_rank{env.rank}.pt"
+    rng = torch.load(rng_file, map_location="cpu", weights_only=True) if rng_file.exists() else None
+    log.info("resuming from %s (step %d)", path, shared["loop"]["step"])
+    return shared, rng
