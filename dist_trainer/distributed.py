@@ -73,12 +73,34 @@ def init(device_preference: str = "auto", timeout_s: int = 1800) -> DistEnv:
     owns_group = not dist.is_initialized()
     if owns_group:
         timeout = timedelta(seconds=timeout_s)
-        if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
-            dist.init_process_group(backend, timeout=timeout)  # env:// from torchrun
+        if "RANK" in os.environ and "MASTER_ADDR" in os.environ:  # launched by torchrun
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            dist.init_process_group(backend, store=_torchrun_store(rank, world, timeout),
+                                    rank=rank, world_size=world, timeout=timeout)
         else:
             # python -m dist_trainer: a group of one, so the code path is the same.
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return DistEnv(dist.get_rank(), local_rank, dist.get_world_size(), device, dist.get_backend(), owns_group)
+
+
+def _torchrun_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
+    """torchrun's rendezvous store, seen through a prefix unique to this restart attempt.
+
+    torchrun keeps one TCP store for the whole job and hands it to every attempt.
+    After an elastic restart the keys of the failed attempt are still there, and
+    a new gloo group can read its dead peers' addresses ("Connection refused")
+    or wait forever (pytorch issues 135712, 167288). TORCHELASTIC_RESTART_COUNT
+    differs per attempt and is equal on all workers of one, so a prefix made of
+    it gives each attempt a clean namespace, with nothing for users to set.
+    """
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    # With the agent's shared store (the default) the agent hosts the server;
+    # otherwise rank 0 hosts one, as torch's own env:// rendezvous does.
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = dist.TCPStore(host, port, world, is_master=not agent_hosts and rank == 0,
+                          timeout=timeout, multi_tenant=not agent_hosts)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"dist_trainer/attempt{attempt}", store)
 
 
 def shutdown(env: DistEnv) -> None:
