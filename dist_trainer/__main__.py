@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from . import distributed
 from .config import Config, ConfigError
+from .parallel import ConsistencyError
 from .precision import LossScaleError
 from .signals import EXIT_REQUEUE, Preempted
 from .trainer import NonFiniteError
@@ -50,8 +51,13 @@ def main(dict_cfg: DictConfig) -> None:
     cfg: Config = OmegaConf.to_object(dict_cfg)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
+        if cfg.plan.only:
+            from .plan import plan_report
+
+            print(plan_report(cfg, cfg.plan.world_size or distributed.world_size()))
+            return
         train(cfg, run_dir)
-    except (ConfigError, LossScaleError, NonFiniteError) as err:
+    except (ConfigError, LossScaleError, NonFiniteError, ConsistencyError) as err:
         log.error("%s", err)
         sys.exit(2)
     except Preempted as err:

@@ -87,6 +87,13 @@ class DistConfig:
     find_unused_parameters: bool = False
     bucket_cap_mb: Optional[float] = None  # null = DDP's own default
     timeout_s: int = 1800
+    check_consistency_every: int = 0  # optimizer steps; 0 disables the cross-rank bit-equality check
+
+
+@dataclass
+class PlanConfig:
+    only: bool = False  # print the plan and exit: no process group, no training
+    world_size: Optional[int] = None  # plan for this many ranks (default: the launch's)
 
 
 @dataclass
@@ -98,6 +105,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
 
 @dataclass(frozen=True)
@@ -205,6 +213,10 @@ def _validate_values(cfg: Config) -> None:
     _check(t.nonfinite in NONFINITE_POLICIES, "trainer.nonfinite", t.nonfinite, f"choose one of {NONFINITE_POLICIES}")
     _check(t.max_consecutive_skips >= 1, "trainer.max_consecutive_skips", t.max_consecutive_skips, "must be >= 1")
     _check(d.bucket_cap_mb is None or d.bucket_cap_mb > 0, "dist.bucket_cap_mb", d.bucket_cap_mb, "must be > 0 or null")
+    _check(d.check_consistency_every >= 0, "dist.check_consistency_every", d.check_consistency_every,
+           "must be >= 0 (0 disables)")
+    _check(cfg.plan.world_size is None or cfg.plan.world_size >= 1, "plan.world_size", cfg.plan.world_size,
+           "must be >= 1")
     _check(d.timeout_s >= 1, "dist.timeout_s", d.timeout_s, "must be >= 1")
     for node in ("model", "data"):
         target = getattr(cfg, node).get("_target_")

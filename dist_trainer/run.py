@@ -21,7 +21,7 @@ from .data import StepPlan, build_dataset, epoch_batches, eval_loader
 from .distributed import DistEnv
 from .metrics import MetricsWriter, console_line, peak_mem_mb
 from .optim import build_optimizer
-from .parallel import apply_ddp, count_allreduces
+from .parallel import apply_ddp, check_consistency, count_allreduces
 from .precision import Precision
 from .signals import Preempted, StopRequest
 from .trainer import StepOutcome, Trainer, loss_terms
@@ -197,6 +197,8 @@ def _loop(cfg: Config, parts: Parts, position: Position, metrics: MetricsWriter,
                 log.info(console_line(record, plan.max_steps))
             if last or outcome.stop_requested or (tcfg.ckpt_every and step % tcfg.ckpt_every == 0):
                 save_checkpoint(parts, position, env, run_dir, tcfg.keep_checkpoints)
+            if cfg.dist.check_consistency_every and step % cfg.dist.check_consistency_every == 0:
+                check_consistency(trainer.consistency_tensors(), step)
             if outcome.stop_requested:
                 raise Preempted(f"step {step}: stop requested by a signal; checkpoint written, "
                                 "start again in the same run directory to resume")

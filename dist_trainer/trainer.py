@@ -190,6 +190,14 @@ class Trainer:
         outcome.grad_norm, outcome.skipped = grad_norm, False
         return outcome
 
+    def consistency_tensors(self) -> List[tuple[str, torch.Tensor]]:
+        """What must be bit-identical on every rank: parameters, buffers, FP32 masters."""
+        module = self.model.module
+        named = list(module.named_parameters()) + list(module.named_buffers())
+        if isinstance(self.weights, MasterWeights):
+            named += [(f"{self.names[p]} (FP32 master)", m) for p, m in zip(self.weights.params, self.weights.masters)]
+        return named
+
     def state_dict(self) -> dict:
         """Everything the step needs to continue exactly (the loop adds its position)."""
         return {

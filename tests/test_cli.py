@@ -65,6 +65,22 @@ def test_default_job_under_torchrun_trains_and_writes_the_contract_outputs(tmp_p
     assert math.isfinite(records[-1]["eval_loss"])
     weights = torch.load(run_dir / "final_model.pt", weights_only=True)
     assert all(t.dtype == torch.float32 for t in weights.values())
+    # Plan mode, with no process group, predicts the all-reduces this run issued.
+    plan = run_module(["plan.only=true", "plan.world_size=2", f"hydra.run.dir={tmp_path}/plan"], cwd=tmp_path)
+    assert plan.returncode == 0, plan.stdout + plan.stderr
+    steady = records[-1]
+    assert (f"gradient all-reduces per optimizer step: {steady['allreduces']} (DDP buckets, expected)"
+            in plan.stdout), (plan.stdout, steady)
+    assert f"({steady['allreduce_bytes']} bytes)" in plan.stdout
+    assert "without no_sync it would be" in plan.stdout
+
+
+def test_plan_mode_fails_like_the_trainer_on_an_impossible_split(tmp_path):
+    proc = run_module(["plan.only=true", "plan.world_size=3", f"hydra.run.dir={tmp_path}"], cwd=tmp_path)
+    assert proc.returncode == 2 and "batch.global_batch_size=64" in proc.stdout + proc.stderr
+    ok = run_module(["plan.only=true", "plan.world_size=64", "batch.global_batch_size=4096",
+                     f"hydra.run.dir={tmp_path}"], cwd=tmp_path)
+    assert "micro batch 16 x accum steps 4 x world 64 = global batch 4096" in ok.stdout, ok.stdout + ok.stderr
 
 
 def test_single_process_runs_the_same_path(tmp_path):
