@@ -27,7 +27,8 @@ class ConfigError(ValueError):
 
 @dataclass
 class BatchConfig:
-    micro_batch_size: int = 16  # samples per rank per forward/backward
+    # samples per rank per forward/backward; "auto" (CUDA) finds the largest that fits
+    micro_batch_size: Any = 16
     global_batch_size: Optional[int] = None  # samples per optimizer step, all ranks
     accum_steps: Optional[int] = None  # micro-batches per optimizer step
 
@@ -106,6 +107,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    logger: str = "jsonl"  # jsonl, or tensorboard (also writes metrics.jsonl)
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,8 @@ def _divisors(n: int) -> List[int]:
 def derive_batch(batch: BatchConfig, world_size: int) -> tuple[int, int]:
     """Return (accum_steps, global_batch_size); micro x accum x world = global."""
     micro = batch.micro_batch_size
-    _check(micro >= 1, "batch.micro_batch_size", micro, "must be >= 1")
+    _check(isinstance(micro, int) and not isinstance(micro, bool) and micro >= 1, "batch.micro_batch_size",
+           micro, "must be an integer >= 1, or auto")
     if batch.accum_steps is not None:
         _check(batch.accum_steps >= 1, "batch.accum_steps", batch.accum_steps, "must be >= 1")
     if batch.global_batch_size is None:
@@ -218,6 +221,7 @@ def _validate_values(cfg: Config) -> None:
     _check(cfg.plan.world_size is None or cfg.plan.world_size >= 1, "plan.world_size", cfg.plan.world_size,
            "must be >= 1")
     _check(d.timeout_s >= 1, "dist.timeout_s", d.timeout_s, "must be >= 1")
+    _check(cfg.logger in ("jsonl", "tensorboard"), "logger", cfg.logger, "choose jsonl or tensorboard")
     for node in ("model", "data"):
         target = getattr(cfg, node).get("_target_")
         _check(isinstance(target, str) and bool(target), f"{node}._target_", target,
@@ -230,13 +234,22 @@ def _validate_values(cfg: Config) -> None:
 
 
 def validate(cfg: Config, world_size: int) -> BatchPlan:
-    """Check every value and derive the batch plan; raises ConfigError naming the key."""
+    """Check every value and derive the batch plan; raises ConfigError naming the key.
+
+    With batch.micro_batch_size=auto the plan is provisional (micro batch 1)
+    until the finder has run; the global batch must then be given.
+    """
     _check(world_size >= 1, "world size", world_size, "must be >= 1")
     _validate_values(cfg)
-    accum, glob = derive_batch(cfg.batch, world_size)
+    batch = cfg.batch
+    if batch.micro_batch_size == "auto":
+        _check(batch.global_batch_size is not None, "batch.global_batch_size", None,
+               "must be set with batch.micro_batch_size=auto (the finder keeps it, and so the lr, fixed)")
+        batch = BatchConfig(micro_batch_size=1, global_batch_size=batch.global_batch_size)
+    accum, glob = derive_batch(batch, world_size)
     return BatchPlan(
         world_size=world_size,
-        micro_batch_size=cfg.batch.micro_batch_size,
+        micro_batch_size=batch.micro_batch_size,
         accum_steps=accum,
         global_batch_size=glob,
         base_lr=cfg.optim.lr,

@@ -1,4 +1,4 @@
-"""metrics.jsonl and the console line; rank 0 writes, other ranks hold a null writer."""
+"""What users see: metrics.jsonl, TensorBoard, the console; rank 0 writes, other ranks hold null writers."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import resource
+import sys
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -19,6 +20,24 @@ def peak_mem_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+# Dense bf16/fp16 tensor-core peaks (FLOP/s) by device name; fp32 runs use the fp32 column.
+PEAK_FLOPS = {  # name fragment: (half precision, fp32)
+    "H200": (989e12, 67e12), "H100": (989e12, 67e12), "A100": (312e12, 19.5e12),
+    "L40S": (362e12, 91.6e12), "A10G": (125e12, 31.2e12), "V100": (125e12, 15.7e12),
+}
+
+
+def peak_flops(device: torch.device, half_precision: bool) -> Optional[float]:
+    """The device's peak FLOP/s from the table above, or None (CPU, unknown GPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for fragment, (half, full) in PEAK_FLOPS.items():
+        if fragment in name:
+            return half if half_precision else full
+    return None
 
 
 def _strict(value: Any) -> Any:
@@ -69,8 +88,87 @@ def console_line(record: Dict[str, Any], max_steps: int) -> str:
         f"scale {scale:g}" if scale is not None else None,
         "SKIPPED" if record["skipped"] else None,
         f"{record['samples_per_s']:.1f} samples/s",
+        f"{record['tokens_per_s']:.0f} tokens/s" if "tokens_per_s" in record else None,
+        f"MFU {record['mfu'] * 100:.1f}%" if record.get("mfu") is not None else None,
         f"{record['step_time_s'] * 1000:.0f} ms/step",
     ]
     if "eval_loss" in record:
         parts.append(f"eval_loss {record['eval_loss']:.4f}")
     return " | ".join(p for p in parts if p)
+
+
+class TensorBoardWriter:
+    """The same scalars as metrics.jsonl (which stays the source of truth), for TensorBoard."""
+
+    def __init__(self, log_dir: Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as err:
+            raise ImportError("logger=tensorboard needs the tensorboard package: pip install tensorboard") from err
+        self.writer = SummaryWriter(str(log_dir))
+
+    def write(self, record: Dict[str, Any]) -> None:
+        for key, value in record.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
+                self.writer.add_scalar(f"train/{key}" if key != "eval_loss" else "eval/loss", value, record["step"])
+            elif isinstance(value, bool):
+                self.writer.add_scalar(f"train/{key}", int(value), record["step"])
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class Progress:
+    """A live bar on a terminal; a compact log line every log_every steps otherwise (CI, Slurm logs)."""
+
+    def __init__(self, enabled: bool, total: int, initial: int, log_every: int):
+        self.total, self.log_every, self.bar = total, log_every, None
+        if enabled and sys.stdout.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+
+    def update(self, record: Dict[str, Any]) -> None:
+        step = record["step"]
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix_str(_postfix(record), refresh=False)
+            if step % self.log_every == 0 or "eval_loss" in record or step == self.total:
+                self.bar.write(console_line(record, self.total))
+        elif step % self.log_every == 0 or step == 1 or step == self.total or "eval_loss" in record:
+            log.info(console_line(record, self.total))
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _postfix(record: Dict[str, Any]) -> str:
+    parts = [f"loss {record['loss']:.4f}", f"lr {record['lr']:.2e}"]
+    if record.get("loss_scale") is not None:
+        parts.append(f"scale {record['loss_scale']:g}")
+    parts.append(f"{record['samples_per_s']:.0f} samples/s")
+    if "tokens_per_s" in record:
+        parts.append(f"{record['tokens_per_s']:.0f} tok/s")
+    return " | ".join(parts)
+
+
+class Outputs:
+    """Every per-step record goes to metrics.jsonl, TensorBoard if asked, and the console."""
+
+    def __init__(self, run_dir: Path, is_main: bool, logger: str, total: int, initial: int, log_every: int):
+        self.jsonl = MetricsWriter(run_dir / "metrics.jsonl" if is_main else None, keep_until=initial)
+        self.tensorboard = TensorBoardWriter(run_dir / "tensorboard") if is_main and logger == "tensorboard" else None
+        self.progress = Progress(is_main, total, initial, log_every)
+
+    def write(self, record: Dict[str, Any]) -> None:
+        self.jsonl.write(record)
+        if self.tensorboard is not None:
+            self.tensorboard.write(record)
+        self.progress.update(record)
+
+    def close(self) -> None:
+        self.progress.close()
+        self.jsonl.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()

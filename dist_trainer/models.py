@@ -109,6 +109,7 @@ class GPT(nn.Module):
         self.vocab_size = vocab_size
         self.block_size = block_size
         self.n_layer = n_layer
+        self.n_embd = n_embd
         self.tok_emb = nn.Embedding(vocab_size, n_embd)
         self.pos_emb = nn.Embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)
@@ -140,6 +141,16 @@ class GPT(nn.Module):
         if non_embedding:
             n -= self.pos_emb.weight.numel()
         return n
+
+    def flops_per_item(self) -> float:
+        """Training FLOPs per token (forward + backward), for model FLOPs utilisation.
+
+        6 per parameter per token for the matrix multiplies (2 forward, 4
+        backward), plus attention's scores and weighted sum over a full
+        context: 12 x layers x width x block_size (the PaLM appendix formula).
+        """
+        matmul_params = self.num_params(non_embedding=True)
+        return 6.0 * matmul_params + 12.0 * self.n_layer * self.n_embd * self.block_size
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Next-token logits ``[B, T, vocab_size]`` for ``input_ids`` ``[B, T]``."""

@@ -19,7 +19,8 @@ from . import checkpoint, distributed
 from .config import BatchPlan, Config, ConfigError, validate
 from .data import StepPlan, build_dataset, epoch_batches, eval_loader
 from .distributed import DistEnv
-from .metrics import MetricsWriter, console_line, peak_mem_mb
+from .finder import find_micro_batch_size, largest_divisor_at_most, model_trial
+from .metrics import Outputs, peak_flops, peak_mem_mb
 from .optim import build_optimizer
 from .parallel import apply_ddp, check_consistency, count_allreduces
 from .precision import Precision
@@ -69,6 +70,9 @@ def startup_report(plan: BatchPlan, env: DistEnv, cfg: Config, model: nn.Module,
 def train(cfg: Config, run_dir: Path) -> Dict[str, Any]:
     """Train as configured; every rank calls this. Returns rank-local summary numbers."""
     plan = validate(cfg, distributed.world_size())  # before any tensor is allocated
+    if cfg.batch.micro_batch_size == "auto" and (cfg.trainer.device == "cpu" or not torch.cuda.is_available()):
+        raise ConfigError("batch.micro_batch_size=auto measures GPU memory and needs a CUDA device; "
+                          "on CPU set an integer batch.micro_batch_size")
     env = distributed.init(cfg.trainer.device, cfg.dist.timeout_s)
     try:
         return _train(cfg, plan, env, Path(run_dir))
@@ -109,6 +113,27 @@ def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
     return Parts(trainer, step_plan, train_set, eval_set)
 
 
+def choose_micro_batch(cfg: Config, parts: Parts, env: DistEnv) -> BatchPlan:
+    """Run the finder, then re-derive accum steps: the global batch and the lr stay as configured."""
+    trainer = parts.trainer
+    per_rank = trainer.plan.global_batch_size // env.world_size
+    trial = model_trial(trainer.model.module, parts.train_set, trainer.precision.autocast,
+                        trainer.weights.optimizer_params(), 2 if cfg.optim.name == "adamw" else 1, env.device)
+    fits = find_micro_batch_size(trial, per_rank, env.device)
+    if fits == 0:
+        raise ConfigError("batch.micro_batch_size=auto: not even one sample fits in GPU memory; "
+                          "use a smaller model or precision=bf16-master")
+    cfg.batch.micro_batch_size = largest_divisor_at_most(per_rank, fits)
+    plan = validate(cfg, env.world_size)
+    if env.is_main:
+        log.info("batch.micro_batch_size=auto: %d samples fit on every rank; using %d (divides %d per rank) "
+                 "x accum steps %d", fits, plan.micro_batch_size, per_rank, plan.accum_steps)
+    trainer.plan = plan
+    parts.step_plan = StepPlan(len(parts.train_set), plan, env.rank, cfg.trainer.seed,
+                               cfg.data.get("shuffle", True), cfg.data.get("drop_last", False))
+    return plan
+
+
 @dataclass
 class Position:
     """Where the run is: saved in every checkpoint, so a resume continues exactly."""
@@ -122,17 +147,19 @@ class Position:
 def _train(cfg: Config, plan: BatchPlan, env: DistEnv, run_dir: Path) -> Dict[str, Any]:
     parts = build(cfg, plan, env)
     model = parts.trainer.model.module
+    if cfg.batch.micro_batch_size == "auto":
+        plan = choose_micro_batch(cfg, parts, env)
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         log.info(startup_report(plan, env, cfg, model, parts.step_plan, run_dir))
     position = resume(parts, plan, env, run_dir, cfg.trainer.seed)
-    metrics = MetricsWriter(run_dir / "metrics.jsonl" if env.is_main else None, keep_until=position.step)
+    outputs = Outputs(run_dir, env.is_main, cfg.logger, plan.max_steps, position.step, cfg.trainer.log_every)
     stop = StopRequest()
     try:
-        summary = _loop(cfg, parts, position, metrics, stop, run_dir)
+        summary = _loop(cfg, parts, position, outputs, stop, run_dir)
     finally:
         stop.close()
-        metrics.close()
+        outputs.close()
     if env.is_main:
         torch.save(parts.trainer.weights.fp32_state_dict(model), run_dir / "final_model.pt")
     return summary
@@ -168,7 +195,7 @@ def save_checkpoint(parts: Parts, position: Position, env: DistEnv, run_dir: Pat
     log.info("step %d: checkpoint %s", position.step, path)
 
 
-def _loop(cfg: Config, parts: Parts, position: Position, metrics: MetricsWriter, stop: StopRequest,
+def _loop(cfg: Config, parts: Parts, position: Position, outputs: Outputs, stop: StopRequest,
           run_dir: Path) -> Dict[str, Any]:
     trainer, eval_set = parts.trainer, parts.eval_set
     env, plan, tcfg = trainer.env, trainer.plan, cfg.trainer
@@ -182,19 +209,18 @@ def _loop(cfg: Config, parts: Parts, position: Position, metrics: MetricsWriter,
         batches_of_epoch = epoch_batches(parts.train_set, parts.step_plan, position.epoch,
                                          position.step_in_epoch, num_workers, pin)
         for window, batches in batches_of_epoch:
+            fetched = time.perf_counter()  # the wait for this step's micro-batches ends here
             step = position.step + 1
             outcome = trainer.train_step([to_device(b, env.device) for b in batches], window, step,
                                          stop_requested=stop.requested)
             position.step, position.step_in_epoch = step, position.step_in_epoch + 1
             position.samples += outcome.samples
             now = time.perf_counter()
-            record = step_record(outcome, position, trainer.updates, now - tick, env)
+            record = step_record(outcome, position, trainer, now - tick, fetched - tick)
             last = step == plan.max_steps
             if evals and ((tcfg.eval_every and step % tcfg.eval_every == 0) or last):
                 record["eval_loss"] = evaluate(trainer.model.module, evals, trainer.precision, env.device)
-            metrics.write(record)
-            if step % tcfg.log_every == 0 or step == 1 or last or outcome.stop_requested:
-                log.info(console_line(record, plan.max_steps))
+            outputs.write(record)
             if last or outcome.stop_requested or (tcfg.ckpt_every and step % tcfg.ckpt_every == 0):
                 save_checkpoint(parts, position, env, run_dir, tcfg.keep_checkpoints)
             if cfg.dist.check_consistency_every and step % cfg.dist.check_consistency_every == 0:
@@ -211,13 +237,22 @@ def _loop(cfg: Config, parts: Parts, position: Position, metrics: MetricsWriter,
             "loss": record.get("loss"), "eval_loss": record.get("eval_loss")}
 
 
-def step_record(outcome: StepOutcome, position: Position, updates: int, step_time: float,
-                env: DistEnv) -> Dict[str, Any]:
-    return {
+def step_record(outcome: StepOutcome, position: Position, trainer: Trainer, step_time: float,
+                data_time: float) -> Dict[str, Any]:
+    env = trainer.env
+    record = {
         "step": position.step, "epoch": position.epoch, "loss": outcome.loss, "lr": outcome.lr,
         "grad_norm": outcome.grad_norm, "loss_scale": outcome.loss_scale, "skipped": outcome.skipped,
-        "updates": updates, "samples": position.samples, "items": outcome.items,
-        "allreduces": outcome.allreduces, "allreduce_bytes": outcome.allreduce_bytes,
-        "step_time_s": step_time, "samples_per_s": outcome.samples / step_time,
-        "items_per_s": outcome.items / step_time, "peak_mem_mb": peak_mem_mb(env.device),
+        "skipped_total": trainer.skipped_total, "updates": trainer.updates, "samples": position.samples,
+        "items": outcome.items, "allreduces": outcome.allreduces, "allreduce_bytes": outcome.allreduce_bytes,
+        "step_time_s": step_time, "data_time_s": data_time, "compute_time_s": step_time - data_time,
+        "samples_per_s": outcome.samples / step_time, "items_per_s": outcome.items / step_time,
+        "peak_mem_mb": peak_mem_mb(env.device),
     }
+    if outcome.item_form:  # items are tokens for language models
+        record["tokens_per_s"] = record["items_per_s"]
+    flops = getattr(trainer.model.module, "flops_per_item", None)
+    peak = peak_flops(env.device, trainer.precision.autocast_dtype is not None)
+    if callable(flops) and peak:
+        record["mfu"] = flops() * record["items_per_s"] / (peak * env.world_size)
+    return record

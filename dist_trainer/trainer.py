@@ -50,6 +50,7 @@ class StepOutcome:
     loss_scale: Optional[float]  # the scale this step used; None without dynamic scaling
     grad_norm: Optional[float]  # global norm of the unscaled gradients, before clipping
     skipped: bool
+    item_form: bool  # the forward returned {"loss_sum", "num_items"}
     stop_requested: bool  # some rank was asked to stop (SIGTERM/SIGUSR1): all ranks stop after this step
     allreduces: int  # gradient all-reduce calls issued by DDP in this step
     allreduce_bytes: int
@@ -97,6 +98,8 @@ class Trainer:
         self.names = {p: name for name, p in model.module.named_parameters()}
         self.updates = 0  # applied optimizer updates: drives the lr schedule
         self.consecutive_skips = 0
+        self.skipped_total = 0
+        self.item_form = False
         # Divides each micro-batch's summed loss so that its gradient has the size
         # of a per-item mean: the items of an average micro-batch in the previous
         # step (None before the first). Only the loss scaler's range depends on
@@ -117,6 +120,7 @@ class Trainer:
             with nullcontext() if last else model.no_sync():
                 with self.precision.autocast():
                     output = model(batch)
+                self.item_form = isinstance(output, Mapping)
                 mb_loss_sum, mb_items = loss_terms(output, batch, count=bool(indices))
                 if self.loss_divisor is None:
                     self.loss_divisor = self._first_divisor(mb_items)
@@ -168,8 +172,10 @@ class Trainer:
         if items > 0:  # the next step's: items of an average micro-batch of this one
             self.loss_divisor = items / (self.env.world_size * self.plan.accum_steps)
         outcome = StepOutcome(loss, int(items), totals["samples"], lr,
-                              scale if self.precision.scaler.dynamic else None, None, True, totals["stop"], 0, 0)
+                              scale if self.precision.scaler.dynamic else None, None, True,
+                              self.item_form, totals["stop"], 0, 0)
         if totals["nonfinite"] or items <= 0:
+            self.skipped_total += 1
             self._skip(totals, step)
             return outcome
         # DDP averaged over ranks; undo that, the loss scale and the divisor, and
@@ -206,6 +212,7 @@ class Trainer:
             "scaler": self.precision.scaler.state_dict(),
             "updates": self.updates,
             "consecutive_skips": self.consecutive_skips,
+            "skipped_total": self.skipped_total,
             "loss_divisor": self.loss_divisor,
         }
 
@@ -215,6 +222,7 @@ class Trainer:
         self.precision.scaler.load_state_dict(state["scaler"])
         self.updates = state["updates"]
         self.consecutive_skips = state["consecutive_skips"]
+        self.skipped_total = state["skipped_total"]
         self.loss_divisor = state["loss_divisor"]
 
     def nonfinite_names(self, limit: int = 5) -> List[str]:

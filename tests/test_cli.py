@@ -89,3 +89,17 @@ def test_single_process_runs_the_same_path(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 3 and all(math.isfinite(r["loss"]) for r in records)
+
+
+def test_tensorboard_logger_writes_the_same_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    proc = run_module(["logger=tensorboard", "trainer.max_steps=3", "model.n_layer=1", "batch.global_batch_size=32",
+                       f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    losses = [e.value for e in events.Scalars("train/loss")]
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3]
+    assert losses == pytest.approx([r["loss"] for r in records], rel=1e-6)  # stored as float32
