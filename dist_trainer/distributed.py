@@ -44,9 +44,23 @@ def run_id() -> str:
 
     torchrun gives every worker the same TORCHELASTIC_RUN_ID (the --rdzv_id, or a
     fresh uuid under --standalone), and keeps it across elastic restarts; a plain
-    single process has no peers to agree with and takes a timestamp.
+    single process has no peers to agree with and takes a timestamp. Without
+    --rdzv_id torchrun says "none" on every job: on one node the workers share
+    their torchrun agent, so its pid and start time name the run; across nodes
+    nothing shared is known, and guessing would mix jobs, so it is an error.
     """
-    return os.environ.get("TORCHELASTIC_RUN_ID") or time.strftime("local-%Y%m%d-%H%M%S")
+    rid = os.environ.get("TORCHELASTIC_RUN_ID")
+    if rid and rid != "none":
+        return rid
+    if rid == "none":
+        if world_size() > _int_env("LOCAL_WORLD_SIZE", 1):
+            raise RuntimeError("torchrun gave no run id (pass --rdzv_id=JOB_ID, or hydra.run.dir=...): "
+                               "ranks on different nodes could not agree on a run directory")
+        agent = os.getppid()
+        with open(f"/proc/{agent}/stat") as f:
+            started = f.read().rsplit(")", 1)[1].split()[19]  # field 22: start time, clock ticks after boot
+        return f"torchrun-{agent}-{started}"
+    return time.strftime("local-%Y%m%d-%H%M%S")
 
 
 def pick_device(preference: str, local_rank: int) -> torch.device:

