@@ -151,18 +151,18 @@ class Trainer:
         float64 keeps item counts exact far beyond 2**24.
         """
         grads = [g for _, g in self.weights.grads()]
-        self._raw_norm = torch.nn.utils.get_total_norm(grads, error_if_nonfinite=False) if grads else None
+        raw_norm = torch.nn.utils.get_total_norm(grads, error_if_nonfinite=False) if grads else torch.zeros(())
         world = self.env.world_size
         stats = torch.zeros(5 + world, dtype=torch.float64, device=self.env.device)
         stats[0], stats[1], stats[2], stats[4] = loss_sum, items, samples, float(stop)
-        if self._raw_norm is not None:
-            stats[3] = (~torch.isfinite(self._raw_norm)).to(torch.float64)
+        stats[3] = (~torch.isfinite(raw_norm)).to(torch.float64)
         stats[5 + self.env.rank] = (~torch.isfinite(loss_sum)).to(torch.float64)
         dist.all_reduce(stats)
         values = stats.tolist()  # the step's one host sync
         bad_ranks = [r for r in range(world) if values[5 + r] > 0]
         return {"loss_sum": values[0], "items": values[1], "samples": int(values[2]),
-                "nonfinite": values[3] > 0 or bool(bad_ranks), "stop": values[4] > 0, "bad_ranks": bad_ranks}
+                "nonfinite": values[3] > 0 or bool(bad_ranks), "stop": values[4] > 0, "bad_ranks": bad_ranks,
+                "raw_norm": raw_norm.item()}  # norm of the grads as they stand: scaled, not yet normalised
 
     def _apply(self, totals: dict, scale: float, step: int) -> StepOutcome:
         lr = lr_at(self.updates, self.plan.lr, self.optim_cfg, self.plan.max_steps)
@@ -181,7 +181,7 @@ class Trainer:
         # DDP averaged over ranks; undo that, the loss scale and the divisor, and
         # divide by the true item count of the whole step: one multiply.
         factor = self.env.world_size * divisor / (scale * items)
-        grad_norm = self._raw_norm.item() * factor
+        grad_norm = totals["raw_norm"] * factor
         clip = self.optim_cfg.grad_clip
         if clip is not None and grad_norm > clip:
             factor *= clip / (grad_norm + 1e-6)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 from pathlib import Path
 
 import torch
@@ -134,9 +135,21 @@ def test_two_ranks_times_accumulation_equal_one_big_batch(tmp_path):
     assert not torch.allclose(init["net.0.weight"], ref["net.0.weight"], rtol=1e-3)
 
 
+class _Collect(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
 def _skip_worker(rank, world_size):
     cfg = regression_config(micro=4, accum=2, steps=3, precision="fp16-mixed", warmup_steps=5)
     cfg.precision.loss_scale.init_scale = 1024.0  # low enough that only the poison overflows
+    cfg.precision.debug_overflow = True
+    collect = _Collect()
+    logging.getLogger("dist_trainer").addHandler(collect)
     # Rank 1's 3rd forward is the first micro-batch of step 2 (accum 2).
     cfg.model = {"_target_": f"{__name__}.PoisonMLP", "poison_rank": 1, "poison_call": 3}
     env = distributed.init("cpu")
@@ -145,7 +158,8 @@ def _skip_worker(rank, world_size):
     for _, outcome in _steps(parts, 3):
         outcomes.append(outcome)
         params.append([p.detach().clone() for p in parts.trainer.model.parameters()])
-    result = {"params": params, "outcomes": outcomes, "updates": parts.trainer.updates}
+    result = {"params": params, "outcomes": outcomes, "updates": parts.trainer.updates,
+              "log": collect.messages}
     del parts
     gc.collect()
     return result
@@ -164,5 +178,7 @@ def test_fp16_nonfinite_gradient_on_one_rank_skips_the_step_on_all_ranks(tmp_pat
         lrs = [o.lr for o in r["outcomes"]]
         assert lrs[0] < lrs[1] and lrs[1] == lrs[2]  # warmup did not advance on the skip
         assert r["updates"] == 2
+        # precision.debug_overflow names the parameters whose gradients overflowed
+        assert r["log"] == ["step 2: non-finite gradients in net.0.weight, net.0.bias, net.2.weight, net.2.bias"]
     for a, b in zip(results[0]["params"][-1], results[1]["params"][-1]):
         assert torch.equal(a, b)
