@@ -225,7 +225,7 @@ def _loop(cfg: Config, parts: Parts, position: Position, outputs: Outputs, stop:
                 save_checkpoint(parts, position, env, run_dir, tcfg.keep_checkpoints)
             if cfg.dist.check_consistency_every and step % cfg.dist.check_consistency_every == 0:
                 check_consistency(trainer.consistency_tensors(), step)
-            if outcome.stop_requested:
+            if outcome.stop_requested and not last:  # at the last step, just finish
                 raise Preempted(f"step {step}: stop requested by a signal; checkpoint written, "
                                 "start again in the same run directory to resume")
             tick = time.perf_counter()  # evaluation and checkpoint time is not step time

@@ -113,14 +113,31 @@ def _finish(proc: subprocess.Popen, timeout: float) -> str:
     return _output(proc)
 
 
-def _wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen) -> None:
+def _wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen, poll: float = 0.2) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if proc.poll() is not None:
             pytest.fail(f"exited ({proc.returncode}) before {what}:\n{_output(proc)}")
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout} s waiting for {what}:\n{_output(proc)}")
-        time.sleep(0.2)
+        time.sleep(poll)
+
+
+def _kill_marked(marker: str) -> None:
+    """SIGKILL this user's processes whose environment holds ``marker`` (an exact NAME=value entry).
+
+    torchrun starts its workers in sessions of their own, so killing a launcher's process group does not
+    reach them; they inherit the launcher's environment, and a test-specific entry finds exactly them.
+    """
+    wanted = marker.encode()
+    for proc_dir in Path("/proc").iterdir():
+        if not proc_dir.name.isdigit() or int(proc_dir.name) == os.getpid():
+            continue
+        try:
+            if wanted in (proc_dir / "environ").read_bytes().split(b"\0"):
+                os.kill(int(proc_dir.name), signal.SIGKILL)
+        except (OSError, ValueError):  # gone, or not ours
+            pass
 
 
 # --------------------------------------------------------------------------- Docker
@@ -346,7 +363,10 @@ def slurm(tmp_path):
                GPUS_PER_NODE="1", RDZV_PORT=str(_free_port()), MAX_RESTARTS="0",
                SHIM_LOG=str(log_dir))
     env["PATH"] = os.pathsep.join([str(bin_dir), env["PATH"]])
-    return env, log_dir
+    yield env, log_dir
+    # After spawn's teardown (set up later, torn down earlier): workers left behind by a failed test,
+    # in their own sessions, still carry the faked allocation's SLURM_SUBMIT_DIR.
+    _kill_marked(f"SLURM_SUBMIT_DIR={tmp_path}")
 
 
 def test_slurm_script_passes_shellcheck():
@@ -412,7 +432,8 @@ def test_sbatch_forwards_usr1_to_every_task_then_requeues(slurm, spawn, tmp_path
 def test_sbatch_usr1_reaches_real_torchrun_workers(slurm, spawn, tmp_path):
     """The whole chain with real torchrun agents: batch shell -> srun -> torchrun -> workers, then requeue.
 
-    Resuming after the requeue is not tested here: it needs the framework's checkpoint/resume support.
+    The checkpoint the workers write and the resume after the requeue are checked by
+    test_sbatch_preempted_job_is_requeued_and_resumes_bit_identically.
     """
     env, log_dir = slurm
     run_dir = tmp_path / "runs" / "4242"
@@ -428,6 +449,86 @@ def test_sbatch_usr1_reaches_real_torchrun_workers(slurm, spawn, tmp_path):
     assert out.count("closing signal SIGUSR1") == 2, out
     assert (log_dir / "requeue").read_text() == "4242\n", out
     assert len(_metrics(run_dir)) < 100000
+
+
+# Long enough to be signalled mid-run, short enough to run three times; one layer, no periodic eval, and
+# ckpt_every above max_steps, so the only checkpoint before the end is the one the preemption writes.
+# Dropout draws from each rank's RNG, so only a resume that restores it can match the uninterrupted run.
+PREEMPTIBLE = ["trainer.max_steps=100", "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "data.block_size=32",
+               "model.dropout=0.1", "batch.global_batch_size=32", "trainer.ckpt_every=1000", "trainer.eval_every=0",
+               "trainer.eval_batches=1", "trainer.log_every=1"]
+EXIT_REQUEUE = 75  # dist_trainer.signals.EXIT_REQUEUE: what a worker exits with after its checkpoint
+
+
+def _steps_written(run_dir: Path) -> int:
+    try:
+        return (run_dir / "metrics.jsonl").read_bytes().count(b"\n")
+    except FileNotFoundError:
+        return 0
+
+
+def _checkpoints(run_dir: Path) -> List[str]:
+    root = run_dir / "checkpoints"
+    return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+
+
+def test_sbatch_preempted_job_is_requeued_and_resumes_bit_identically(slurm, spawn, tmp_path):
+    """USR1 to the batch shell (--signal=B:USR1) -> a checkpoint at the step the run stopped and a requeue;
+    the requeued job (same SLURM_JOB_ID) resumes from it and ends exactly where an uninterrupted job ends."""
+    import torch
+
+    env, log_dir = slurm
+    run_dir = tmp_path / "runs" / "4242"
+    max_steps = int(PREEMPTIBLE[0].split("=")[1])
+
+    # 1. The job, signalled as Slurm does before the time limit: the batch shell only.
+    first = spawn(["bash", str(SBATCH), *PREEMPTIBLE], cwd=tmp_path, env=env)
+    _wait_for(lambda: _steps_written(run_dir) >= 3, 90, "three optimizer steps", first, poll=0.02)
+    os.kill(first.pid, signal.SIGUSR1)
+    out = _finish(first, 60)
+    assert first.returncode == 0, out  # the script requeued the job and exited cleanly
+    assert "got SIGUSR1" in out, out
+    assert out.count("closing signal SIGUSR1") == 2, out  # both agents passed it to their worker
+    # torchrun itself ends on the signal (SignalException, status 1), so the step fails and is requeued.
+    step_rc = re.search(r"training step exited with status (\d+)", out)
+    assert step_rc and int(step_rc.group(1)) != 0, out
+    assert (log_dir / "requeue").read_text() == "4242\n", out
+    stopped = [r["step"] for r in _metrics(run_dir)]
+    k = stopped[-1]
+    assert stopped == list(range(1, k + 1)) and 3 <= k < max_steps, (stopped, out)
+    assert _checkpoints(run_dir) == [f"step_{k:08d}"], out  # sealed: no .tmp- left, nothing else
+    assert f"step {k}: checkpoint {run_dir / 'checkpoints' / f'step_{k:08d}'}" in out, out
+    for rank in (0, 1):  # every rank stopped after the same step (rank 1 logs to its file only)
+        assert f"step {k}: stop requested by a signal" in (run_dir / f"rank{rank}.log").read_text(), rank
+    assert not (run_dir / "final_model.pt").exists()
+
+    # 2. The requeued job: same id (so the same run directory and rendezvous id), restart count 1; and,
+    # alongside it to save time, 3. the same job never interrupted, under another job id and run directory.
+    requeued = spawn(["bash", str(SBATCH), *PREEMPTIBLE], cwd=tmp_path,
+                     env=dict(env, SLURM_RESTART_COUNT="1", RDZV_PORT=str(_free_port())))
+    ref_dir, ref_log = tmp_path / "runs" / "4343", tmp_path / "shim-log-ref"
+    ref_log.mkdir()
+    reference = spawn(["bash", str(SBATCH), *PREEMPTIBLE], cwd=tmp_path,
+                      env=dict(env, SLURM_JOB_ID="4343", RDZV_PORT=str(_free_port()), SHIM_LOG=str(ref_log)))
+    out2, out3 = _finish(requeued, 150), _finish(reference, 150)
+    assert requeued.returncode == 0, out2
+    assert "job 4242 (restart 1)" in out2, out2
+    assert f"resuming from {run_dir / 'checkpoints' / f'step_{k:08d}'} (step {k})" in out2, out2
+    assert (log_dir / "requeue").read_text() == "4242\n", out2  # finished: not requeued again
+    assert _checkpoints(run_dir) == [f"step_{k:08d}", f"step_{max_steps:08d}"]
+    assert (run_dir / "final_model.pt").exists()
+    resumed = _metrics(run_dir)  # the first job's lines up to k, then the second job's
+    assert [r["step"] for r in resumed] == list(range(1, max_steps + 1))
+    assert reference.returncode == 0, out3
+    assert "resuming from" not in out3 and not (ref_log / "requeue").exists(), out3
+    expected = _metrics(ref_dir)
+    for key in ("step", "epoch", "loss", "lr", "grad_norm", "samples", "updates"):
+        assert [r[key] for r in resumed] == [r[key] for r in expected], key
+    got = torch.load(run_dir / "final_model.pt", map_location="cpu", weights_only=True)
+    want = torch.load(ref_dir / "final_model.pt", map_location="cpu", weights_only=True)
+    assert got.keys() == want.keys()
+    different = [name for name in want if not torch.equal(got[name], want[name])]
+    assert not different, f"final parameters differ from the uninterrupted run's: {different}"
 
 
 # --------------------------------------------------------------------------- Kubernetes
