@@ -16,6 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from . import distributed
+from .checkpoint import CheckpointError
 from .config import Config, ConfigError
 from .parallel import ConsistencyError
 from .precision import LossScaleError
@@ -57,7 +58,7 @@ def main(dict_cfg: DictConfig) -> None:
             print(plan_report(cfg, cfg.plan.world_size or distributed.world_size()))
             return
         train(cfg, run_dir)
-    except (ConfigError, LossScaleError, NonFiniteError, ConsistencyError) as err:
+    except (ConfigError, LossScaleError, NonFiniteError, ConsistencyError, CheckpointError) as err:
         log.error("%s", err)
         sys.exit(2)
     except Preempted as err:

@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -150,16 +151,29 @@ def verify(path: Path) -> Optional[str]:
             return "shared.pt is not in the manifest"
     except (OSError, ValueError, KeyError, TypeError) as err:
         return f"unreadable manifest ({err})"
+    for name in manifest["files"]:
+        try:  # intact is not enough: it must hold nothing but tensors and plain values
+            torch.load(path / name, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:
+            return (f"{name} holds objects other than tensors and plain values; torch.load(weights_only=True) "
+                    "refused it, so nothing in it ran")
     return None
 
 
-def _newest_valid(root: Path) -> Optional[Path]:
+class CheckpointError(RuntimeError):
+    """Checkpoints exist but none can be used; nothing was changed."""
+
+
+def _newest_valid(root: Path) -> tuple[Optional[Path], List[str]]:
+    """The newest checkpoint that passes ``verify``, and what was wrong with newer ones."""
+    problems = []
     for path in list_checkpoints(root):
         problem = verify(path)
         if problem is None:
-            return path
-        log.warning("checkpoint %s is corrupt (%s); trying the previous one", path, problem)
-    return None
+            return path, problems
+        log.warning("checkpoint %s is unusable (%s); trying the previous one", path, problem)
+        problems.append(f"{path.name}: {problem}")
+    return None, problems
 
 
 def load_latest(run_dir: Path, env: DistEnv) -> Optional[Tuple[Dict[str, Any], Optional[Dict[str, Any]]]]:
@@ -168,9 +182,18 @@ def load_latest(run_dir: Path, env: DistEnv) -> Optional[Tuple[Dict[str, Any], O
     Rank 0 checks the files and broadcasts its choice, so every rank resumes
     from the same checkpoint even if they would see the directory differently.
     """
-    choice = [str(_newest_valid(checkpoint_dir(run_dir)) or "") if env.is_main else None]
+    choice: List[Any] = [None, []]
+    if env.is_main:
+        path, problems = _newest_valid(checkpoint_dir(run_dir))
+        choice = [str(path) if path else "", problems]
     dist.broadcast_object_list(choice, src=0)
     if not choice[0]:
+        if choice[1]:  # starting afresh would overwrite and prune them: stop, and lose nothing
+            raise CheckpointError(
+                f"no usable checkpoint in {checkpoint_dir(run_dir)}: " + "; ".join(choice[1])
+                + ". Nothing was changed. Move the checkpoints away to start this run directory afresh, "
+                "or set hydra.run.dir to a new directory."
+            )
         return None
     path = Path(choice[0])
     shared = torch.load(path / "shared.pt", map_location="cpu", weights_only=True)

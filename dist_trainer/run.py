@@ -212,7 +212,7 @@ def _loop(cfg: Config, parts: Parts, position: Position, outputs: Outputs, stop:
             fetched = time.perf_counter()  # the wait for this step's micro-batches ends here
             step = position.step + 1
             outcome = trainer.train_step([to_device(b, env.device) for b in batches], window, step,
-                                         stop_requested=stop.requested)
+                                         stop_requested=lambda: stop.requested)
             position.step, position.step_in_epoch = step, position.step_in_epoch + 1
             position.samples += outcome.samples
             now = time.perf_counter()

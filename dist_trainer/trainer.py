@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, List, Mapping, Optional
+from typing import Any, Callable, List, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -106,7 +106,8 @@ class Trainer:
         # it, the update is exact for any value; it must be equal on all ranks.
         self.loss_divisor: Optional[float] = None
 
-    def train_step(self, batches: List[Any], window: Window, step: int, stop_requested: bool = False) -> StepOutcome:
+    def train_step(self, batches: List[Any], window: Window, step: int,
+                   stop_requested: Callable[[], bool] = lambda: False) -> StepOutcome:
         model, scale = self.model, self.precision.scaler.scale
         calls0, bytes0 = self.counter.calls, self.counter.bytes
         self.weights.zero_grad()
@@ -141,7 +142,8 @@ class Trainer:
         dist.all_reduce(total)
         return max(total.item() / self.env.world_size, 1.0)
 
-    def _reduce_window(self, loss_sum: torch.Tensor, items: torch.Tensor, samples: int, stop: bool) -> dict:
+    def _reduce_window(self, loss_sum: torch.Tensor, items: torch.Tensor, samples: int,
+                       stop_requested: Callable[[], bool]) -> dict:
         """One all-reduce of the step's totals, non-finite flags and stop requests.
 
         Gradients are already identical on all ranks here (the last backward
@@ -154,7 +156,9 @@ class Trainer:
         raw_norm = torch.nn.utils.get_total_norm(grads, error_if_nonfinite=False) if grads else torch.zeros(())
         world = self.env.world_size
         stats = torch.zeros(5 + world, dtype=torch.float64, device=self.env.device)
-        stats[0], stats[1], stats[2], stats[4] = loss_sum, items, samples, float(stop)
+        # Read the stop flag now, at the step's end: a signal that came during
+        # this step stops the run after it, not after the next one.
+        stats[0], stats[1], stats[2], stats[4] = loss_sum, items, samples, float(stop_requested())
         stats[3] = (~torch.isfinite(raw_norm)).to(torch.float64)
         stats[5 + self.env.rank] = (~torch.isfinite(loss_sum)).to(torch.float64)
         dist.all_reduce(stats)

@@ -69,3 +69,43 @@ def run_module(args: List[str], cwd: Path, timeout: float = 240, torchrun_nproc:
     else:
         cmd = [sys.executable, "-m", "dist_trainer", *args]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+# ------------------------------------------------- checkpoint tests (test_checkpoint.py)
+
+import time as _time  # noqa: E402
+
+from dist_trainer.models import GPT as _GPT  # noqa: E402
+
+
+class FaultyGPT(_GPT):
+    """The built-in GPT (same parameters, same initialisation, same numbers) with test hooks.
+
+    Training-forward calls of this process are counted from 1 (the count restarts with the
+    process, e.g. on resume). ``nan_calls``: calls whose loss is NaN. ``gate_call``: at that
+    call the forward creates ``<gate_file>.waiting`` and blocks until ``gate_file`` exists, so
+    a test can act (signal, kill, snapshot) while a known step is in progress. ``nan_rank`` /
+    ``gate_rank`` limit a hook to one global rank (None: every rank).
+    """
+
+    def __init__(self, *args: Any, nan_calls: List[int] = (), nan_rank: int | None = None,
+                 gate_call: int | None = None, gate_file: str | None = None, gate_rank: int | None = None,
+                 **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.nan_calls, self.nan_rank = set(nan_calls), nan_rank
+        self.gate_call, self.gate_file, self.gate_rank = gate_call, gate_file, gate_rank
+        self.train_calls = 0
+
+    def forward(self, batch):
+        if not self.training:
+            return super().forward(batch)
+        self.train_calls += 1
+        rank = int(os.environ.get("RANK", "0"))
+        if self.train_calls == self.gate_call and self.gate_rank in (None, rank) and not os.path.exists(self.gate_file):
+            Path(f"{self.gate_file}.waiting").touch()
+            while not os.path.exists(self.gate_file):
+                _time.sleep(0.01)
+        out = super().forward(batch)
+        if self.train_calls in self.nan_calls and self.nan_rank in (None, rank):
+            out = {**out, "loss_sum": out["loss_sum"] * float("nan")}
+        return out

@@ -1,0 +1,629 @@
+"""Checkpoints and resume, with real processes: python -m dist_trainer and torchrun on gloo.
+
+What is proved here:
+
+* exact resume: a run stopped at step K and started again in the same run
+  directory ends bit-identical to a straight run (fp32 on 2 ranks under torchrun,
+  stopped mid-epoch and mid-warmup; fp16-mixed with dropout and a moving loss
+  scale in one process);
+* torchrun's elastic restart after a worker is SIGKILLed resumes and ends
+  bit-identical to an uninterrupted run;
+* SIGUSR1 (preemption) on one worker: every rank stops after the same step,
+  checkpoints, exits with EXIT_REQUEUE; a second start resumes and ends
+  bit-identical (and the stop should come after the step the signal arrived in:
+  it comes one step later, see the end of that test);
+* a resume on another world size keeps the global batch (accumulation
+  re-derived) and matches to fp tolerance; one that cannot keep it exits 2
+  naming batch.global_batch_size;
+* non-finite losses in fp32: trainer.nonfinite=stop leaves earlier checkpoints
+  untouched, =skip skips and continues until trainer.max_consecutive_skips;
+* corrupt checkpoints are skipped for the newest valid one; a checkpoint whose
+  pickle would run code is refused; only trainer.keep_checkpoints are kept.
+
+Timing never decides an outcome: where a test must act while a known step is
+in progress, helpers.FaultyGPT blocks that step's forward on a gate file until
+the test has acted. Runs that depend on nothing are started together up front
+(the ``jobs`` fixture) so that the two cores stay busy.
+
+Every process is started in its own session with a tag in its environment;
+the workers torchrun starts (in sessions of their own) inherit the tag, and
+whatever carries it is SIGKILLed when a test leaves, pass or fail.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Callable, Dict, List, Optional
+
+import pytest
+import torch
+
+from dist_trainer.checkpoint import verify
+from dist_trainer.signals import EXIT_REQUEUE
+from helpers import REPO
+
+TESTS = Path(__file__).resolve().parent
+
+# A one-layer GPT on 32-byte windows: a few ms per step on CPU. eval only at the end (one micro-batch).
+TINY = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "data.block_size=32", "trainer.eval_every=0",
+        "trainer.eval_batches=1", "trainer.log_every=1", "trainer.device=cpu"]
+
+# The 2-rank fp32 job that the exact-resume, elastic, preemption and world-size tests share:
+# global 32 = 2 ranks x micro 8 x accum 2. Every run of it has the same numbers: a split run sets
+# trainer.max_steps=K for its first half and STEPS for its second, and a cosine schedule's length is
+# max_steps, so the two halves would follow different lr curves; optim.schedule=constant (linear
+# warmup over WARMUP updates, then flat) depends only on the update count, so all runs use the same lr.
+WARMUP, K, STEPS = 16, 12, 24  # the split run stops at K: inside the warmup, and STEPS crosses its end
+JOB2 = TINY + ["batch.global_batch_size=32", "batch.micro_batch_size=8", f"optim.warmup_steps={WARMUP}",
+               "optim.schedule=constant", "trainer.ckpt_every=2"]
+FAULTY = ["model._target_=helpers.FaultyGPT"]  # the built-in GPT's parameters and numbers, plus test hooks
+
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "GROUP_RANK")
+
+
+# --------------------------------------------------------------------------- processes
+
+def _tagged_pids(tag: str) -> List[int]:
+    """Processes whose environment carries this job's tag (the job and everything it started)."""
+    needle = f"DT_TEST_TAG={tag}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def _children(pid: int) -> List[int]:
+    kids = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                kids += [int(k) for k in f.read().split()]
+    except OSError:
+        pass
+    return kids
+
+
+def _env_of(pid: int) -> Dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = [item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item]
+    return {k.decode(): v.decode(errors="replace") for k, v in pairs}
+
+
+class Job:
+    """``python -m dist_trainer`` (nproc=0) or torchrun with nproc ranks, in the background.
+
+    The environment is run_module's (one thread, gloo on loopback, the repository
+    on PYTHONPATH) plus tests/ (for helpers.FaultyGPT) and a unique tag; output
+    goes to a file, so nothing blocks while a test polls the run directory.
+    """
+
+    def __init__(self, args: List[str], cwd: Path, nproc: int = 0, torchrun_args: List[str] = ()):
+        self.tag = uuid.uuid4().hex
+        env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+        env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1", DT_TEST_TAG=self.tag,
+                   PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS)]))
+        if nproc:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                   *torchrun_args, "-m", "dist_trainer", *args]
+        else:
+            cmd = [sys.executable, "-m", "dist_trainer", *args]
+        self.out_path = cwd / f"job-{self.tag[:8]}.out"
+        self._out = open(self.out_path, "w")
+        self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=self._out, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def wait(self, timeout: float = 150) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"timed out after {timeout} s:\n{self.output()[-4000:]}")
+
+    def output(self) -> str:
+        self._out.flush()
+        return self.out_path.read_text(errors="replace")
+
+    def workers(self) -> Dict[int, int]:
+        """{global rank: pid} of torchrun's current workers."""
+        return {int(_env_of(pid)["RANK"]): pid for pid in _children(self.proc.pid)}
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:  # never signal a pid that was already reaped (it may be reused)
+            self.proc.kill()
+        for pid in _tagged_pids(self.tag):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def __enter__(self) -> "Job":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.kill()  # workers live in sessions of their own: killing the group would miss them
+        self._out.close()
+
+
+def run(args: List[str], cwd: Path, nproc: int = 0, timeout: float = 150, **kw) -> SimpleNamespace:
+    with Job(args, cwd, nproc, **kw) as job:
+        rc = job.wait(timeout)
+        return SimpleNamespace(returncode=rc, output=job.output())
+
+
+def run_all(jobs: List[tuple], cwd: Path, timeout: float = 150) -> List[SimpleNamespace]:
+    """Start several (args, nproc) jobs at once and wait for all of them (2 cores: imports overlap)."""
+    started = []
+    try:
+        for args, nproc in jobs:
+            started.append(Job(args, cwd, nproc))
+        results = [SimpleNamespace(returncode=job.wait(timeout), output=job.output()) for job in started]
+    finally:
+        for job in started:
+            job.__exit__()
+    return results
+
+
+def wait_for(predicate: Callable[[], bool], job: Job, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if job.proc.poll() is not None:
+            pytest.fail(f"the run ended (rc {job.proc.returncode}) before {what}:\n{job.output()[-4000:]}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {what} after {timeout} s:\n{job.output()[-4000:]}")
+        time.sleep(0.02)
+
+
+# --------------------------------------------------------------------------- run directories
+
+def metrics(run_dir: Path) -> List[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def steps_done(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def ckpt(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"step_{step:08d}"
+
+
+def final_params(run_dir: Path) -> Dict[str, torch.Tensor]:
+    return torch.load(run_dir / "final_model.pt", weights_only=True)
+
+
+def assert_bit_identical(run_dir: Path, ref_dir: Path) -> None:
+    got, want = final_params(run_dir), final_params(ref_dir)
+    assert got.keys() == want.keys()
+    differ = [name for name in want if not torch.equal(got[name], want[name])]
+    assert not differ, f"parameters differ from the uninterrupted run: {differ}"
+
+
+def assert_same_metrics(run_dir: Path, ref_dir: Path, steps: int) -> None:
+    """Steps 1..steps exactly once each, and the same numbers as the reference."""
+    got, want = metrics(run_dir), metrics(ref_dir)
+    assert [r["step"] for r in got] == list(range(1, steps + 1))
+    for key in ("loss", "lr", "grad_norm", "loss_scale", "skipped", "updates", "samples"):
+        assert [r[key] for r in got] == [r[key] for r in want], key
+
+
+def digests(root: Path) -> Dict[str, tuple]:
+    """sha256 and mtime of every file under root."""
+    return {str(p.relative_to(root)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def resumed_from(output: str) -> Optional[str]:
+    found = re.findall(r"resuming from (\S+) \(step (\d+)\)", output)
+    return found[-1][0] if found else None
+
+
+def copy_run(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+# --------------------------------------------------------------------------- jobs started up front
+
+class Background:
+    """Jobs that depend on nothing, all started at once when the module's first test asks.
+
+    On 2 cores a lone run leaves about half the CPU idle (imports, torchrun's
+    agent, interpreter teardown); overlapping the independent runs keeps both busy.
+    """
+
+    def __init__(self, root: Path, wanted: set):
+        self.root, self.wanted, self.jobs, self.results = root, wanted, {}, {}
+
+    def start(self, name: str, args: List[str], nproc: int = 0, torchrun_args: List[str] = ()) -> None:
+        if name in self.wanted:
+            self.jobs[name] = Job(args, self.root, nproc, torchrun_args)
+
+    def result(self, name: str) -> SimpleNamespace:
+        if name not in self.results:
+            job = self.jobs[name]
+            self.results[name] = SimpleNamespace(returncode=job.wait(240), output=job.output())
+        return self.results[name]
+
+    def close(self) -> None:
+        for job in self.jobs.values():
+            job.__exit__()
+
+
+FP16 = TINY + ["precision=fp16-mixed", "precision.loss_scale.growth_interval=3", "model.dropout=0.1",
+               "batch.global_batch_size=32", "batch.micro_batch_size=8", "optim.warmup_steps=10",
+               "optim.schedule=constant", "trainer.ckpt_every=0"]
+FP16_K, FP16_STEPS = 5, 10
+SMALL = TINY + ["batch.global_batch_size=16", "batch.micro_batch_size=8"]  # one process: accum 2
+KEEP = SMALL + ["trainer.max_steps=10", "trainer.ckpt_every=2", "trainer.keep_checkpoints=2"]
+CORRUPT = SMALL + ["trainer.max_steps=8", "trainer.ckpt_every=2", "trainer.keep_checkpoints=4"]
+NAN_SKIP = TINY + FAULTY + ["batch.global_batch_size=8", "batch.micro_batch_size=8", "trainer.nonfinite=skip",
+                            "trainer.max_consecutive_skips=2", "trainer.max_steps=10", "optim.warmup_steps=10",
+                            "+model.nan_calls=[3,6,7,8]"]
+
+
+def gated(gate: Path, call: int, rank: int) -> List[str]:
+    """FaultyGPT blocks rank's training-forward number ``call`` until ``gate`` exists."""
+    return FAULTY + [f"+model.gate_call={call}", f"+model.gate_file={gate}", f"+model.gate_rank={rank}"]
+
+
+# accum 2 on 2 ranks: rank 1's forward 2s-1 is the first micro-batch of step s.
+ELASTIC_GATE_STEP = 5  # checkpoints 2 and 4 are written
+PREEMPT_GATE_STEP = 4
+
+
+def uses(*names: str):
+    """Marks the up-front jobs a test reads, so that a run of some of the tests starts only theirs."""
+    def mark(fn):
+        fn.jobs_used = names
+        return fn
+    return mark
+
+
+@pytest.fixture(scope="module")
+def jobs(request, tmp_path_factory):
+    """Every run that needs no other run first, started together; ``result(name)`` waits for one.
+
+    Only the test that owns a split run resumes it in place; other tests copy what they change.
+    """
+    root = tmp_path_factory.mktemp("jobs")
+    wanted = {name for item in request.session.items
+              for name in getattr(getattr(item, "function", None), "jobs_used", ())}
+    bg = Background(root, wanted)
+    _evil_checkpoint(ckpt(root / "evil", 2), root / "evil-marker")
+    try:
+        bg.start("ref", JOB2 + [f"trainer.max_steps={STEPS}", f"hydra.run.dir={root / 'ref'}"], nproc=2)
+        bg.start("half", JOB2 + [f"trainer.max_steps={K}", f"hydra.run.dir={root / 'half'}"], nproc=2)
+        bg.start("fp16_ref", FP16 + [f"trainer.max_steps={FP16_STEPS}", f"hydra.run.dir={root / 'fp16_ref'}"])
+        bg.start("fp16_half", FP16 + [f"trainer.max_steps={FP16_K}", f"hydra.run.dir={root / 'fp16_half'}"])
+        bg.start("keep", KEEP + [f"hydra.run.dir={root / 'keep'}"])
+        bg.start("corrupt", CORRUPT + [f"hydra.run.dir={root / 'corrupt'}"])
+        bg.start("evil", SMALL + ["trainer.max_steps=4", f"hydra.run.dir={root / 'evil'}"])
+        bg.start("nan_skip", NAN_SKIP + [f"hydra.run.dir={root / 'nan_skip'}"])
+        # These block on a gate in a known step until their test acts (a cheap sleep meanwhile).
+        bg.start("elastic", JOB2 + gated(root / "elastic-gate", 2 * ELASTIC_GATE_STEP - 1, rank=1)
+                 + [f"trainer.max_steps={STEPS}", f"hydra.run.dir={root / 'elastic'}"],
+                 nproc=2, torchrun_args=["--max-restarts=3"])
+        bg.start("preempt", JOB2 + gated(root / "preempt-gate", 2 * PREEMPT_GATE_STEP - 1, rank=1)
+                 + [f"trainer.max_steps={STEPS}", f"hydra.run.dir={root / 'preempt'}"],
+                 nproc=2, torchrun_args=["--signals-to-handle=SIGTERM,SIGUSR1"])
+        # accum 1 on 2 ranks: rank 1's forward 5 is step 5, NaN there (trainer.nonfinite=stop, the default).
+        bg.start("nan_stop", SMALL + gated(root / "nan_stop-gate", 5, rank=1)
+                 + ["trainer.ckpt_every=2", "trainer.max_steps=8", "+model.nan_calls=[5]", "+model.nan_rank=1",
+                    f"hydra.run.dir={root / 'nan_stop'}"], nproc=2)
+        yield SimpleNamespace(root=root, result=bg.result, job=bg.jobs.__getitem__)
+    finally:
+        bg.close()
+
+
+@pytest.fixture(scope="module")
+def fp32_2rank(jobs):
+    """An uninterrupted STEPS-step run and a K-step run of JOB2 on 2 ranks.
+
+    The exact-resume test resumes ``half`` in place; others copy ``half_copy``, taken before that.
+    """
+    ref, half = jobs.result("ref"), jobs.result("half")
+    assert ref.returncode == 0, ref.output[-4000:]
+    assert half.returncode == 0, half.output[-4000:]
+    half_copy = copy_run(jobs.root / "half", jobs.root / "half_copy")
+    return SimpleNamespace(ref=jobs.root / "ref", half=jobs.root / "half", half_copy=half_copy,
+                           half_output=half.output)
+
+
+# --------------------------------------------------------------------------- 1. exact resume
+
+@uses("ref", "half")
+def test_fp32_two_ranks_resume_mid_epoch_and_mid_warmup_is_bit_identical(fp32_2rank, tmp_path):
+    steps_per_epoch = int(re.search(r"(\d+) optimizer steps per epoch", fp32_2rank.half_output).group(1))
+    assert K < STEPS < steps_per_epoch  # the stop at K is mid-epoch (and the whole run stays in epoch 0)
+    assert 0 < K < WARMUP < STEPS  # mid-warmup, and the resumed half crosses the end of the warmup
+    ref = metrics(fp32_2rank.ref)
+    assert ref[K]["lr"] < ref[WARMUP]["lr"] == ref[-1]["lr"]  # step K+1 still warming up; flat after
+    assert [r["step"] for r in metrics(fp32_2rank.half)] == list(range(1, K + 1))
+    assert verify(ckpt(fp32_2rank.half, K)) is None
+
+    run_dir = fp32_2rank.half  # the same run directory, now with trainer.max_steps=STEPS
+    proc = run(JOB2 + [f"trainer.max_steps={STEPS}", f"hydra.run.dir={run_dir}"], tmp_path, nproc=2)
+    assert proc.returncode == 0, proc.output[-4000:]
+    assert resumed_from(proc.output) == str(ckpt(run_dir, K)), proc.output[-4000:]
+    assert_same_metrics(run_dir, fp32_2rank.ref, STEPS)
+    assert_bit_identical(run_dir, fp32_2rank.ref)
+
+
+@uses("fp16_ref", "fp16_half")
+def test_fp16_mixed_with_dropout_resume_is_bit_identical(jobs, tmp_path):
+    # One process, accum 4; dropout draws from the torch RNG, which the checkpoint must restore;
+    # growth_interval=3 makes the loss scale grow (and overflow, skipping steps) around the resume.
+    ref, half = jobs.result("fp16_ref"), jobs.result("fp16_half")
+    assert ref.returncode == 0 and half.returncode == 0, ref.output[-3000:] + half.output[-3000:]
+    ref_dir = jobs.root / "fp16_ref"
+    records = metrics(ref_dir)
+    assert len({r["loss_scale"] for r in records[:FP16_K]}) > 1  # the scaler's state moves before the stop...
+    assert any(r["skipped"] for r in records[FP16_K:])  # ...and an overflow skip comes after it
+    assert 0 < FP16_K < 10  # mid-warmup (optim.warmup_steps=10)
+
+    run_dir = jobs.root / "fp16_half"  # the same run directory, now with trainer.max_steps=FP16_STEPS
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, FP16_K + 1))
+    assert verify(ckpt(run_dir, FP16_K)) is None  # trainer.ckpt_every=0: only the one at the end
+    proc = run(FP16 + [f"trainer.max_steps={FP16_STEPS}", f"hydra.run.dir={run_dir}"], tmp_path)
+    assert proc.returncode == 0, proc.output[-4000:]
+    assert resumed_from(proc.output) == str(ckpt(run_dir, FP16_K))
+    assert_same_metrics(run_dir, ref_dir, FP16_STEPS)
+    assert_bit_identical(run_dir, ref_dir)
+
+
+# --------------------------------------------------------------------------- 2. elastic restart
+
+@uses("ref", "half", "elastic")
+def test_elastic_restart_after_a_worker_is_killed_resumes_bit_identical(jobs, fp32_2rank):
+    # torchrun --max-restarts=3; rank 1 waits on the gate in step ELASTIC_GATE_STEP (see jobs).
+    job, run_dir, gate = jobs.job("elastic"), jobs.root / "elastic", jobs.root / "elastic-gate"
+    wait_for(lambda: Path(f"{gate}.waiting").exists(), job, 120, f"rank 1 in step {ELASTIC_GATE_STEP}")
+    workers = job.workers()
+    assert sorted(workers) == [0, 1], workers
+    os.kill(workers[1], signal.SIGKILL)
+    gate.touch()  # the restarted rank 1 passes
+    killed_after = steps_done(run_dir)
+    result = jobs.result("elastic")
+    assert killed_after == ELASTIC_GATE_STEP - 1
+    assert result.returncode == 0, result.output[-4000:]
+    # torchrun restarted the group; its rank 0 resumed from the newest checkpoint.
+    assert resumed_from(result.output) == str(ckpt(run_dir, 4)), result.output[-4000:]
+    assert_same_metrics(run_dir, fp32_2rank.ref, STEPS)
+    assert_bit_identical(run_dir, fp32_2rank.ref)
+
+
+# --------------------------------------------------------------------------- 3. preemption
+
+@uses("ref", "half", "preempt")
+def test_sigusr1_on_one_worker_checkpoints_exits_requeue_and_resumes_bit_identical(jobs, fp32_2rank, tmp_path):
+    # torchrun --signals-to-handle=SIGTERM,SIGUSR1; rank 1 waits on the gate in step PREEMPT_GATE_STEP.
+    job, run_dir, gate = jobs.job("preempt"), jobs.root / "preempt", jobs.root / "preempt-gate"
+    wait_for(lambda: Path(f"{gate}.waiting").exists(), job, 120, f"rank 1 in step {PREEMPT_GATE_STEP}")
+    # To rank 1 only, while it is in that step's forward (blocked on the gate, in Python, so the
+    # handler runs at once); rank 0 must learn of it through the step's all-reduce.
+    os.kill(job.workers()[1], signal.SIGUSR1)
+    time.sleep(0.2)
+    assert steps_done(run_dir) == PREEMPT_GATE_STEP - 1
+    gate.touch()
+    result = jobs.result("preempt")
+    output = result.output
+    assert result.returncode != 0, output[-4000:]  # torchrun reports its workers' EXIT_REQUEUE as a failure (1)
+    assert re.search(rf"exitcode\s*:\s*{EXIT_REQUEUE}\b", output), output[-4000:]
+    stops = re.findall(r"step (\d+): stop requested by a signal; checkpoint written", output)
+    assert stops, output[-4000:]
+    stop = int(stops[0])
+    for rank in (0, 1):  # both ranks stopped after the same step (each rank's log)
+        assert f"step {stop}: stop requested by a signal" in (run_dir / f"rank{rank}.log").read_text()
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, stop + 1))
+    assert verify(ckpt(run_dir, stop)) is None
+    assert not (run_dir / "final_model.pt").exists()
+
+    proc = run(JOB2 + [f"trainer.max_steps={STEPS}", f"hydra.run.dir={run_dir}"], tmp_path, nproc=2)
+    assert proc.returncode == 0, proc.output[-4000:]
+    assert resumed_from(proc.output) == str(ckpt(run_dir, stop))
+    assert_same_metrics(run_dir, fp32_2rank.ref, STEPS)
+    assert_bit_identical(run_dir, fp32_2rank.ref)
+
+    # signals.py: "the current optimizer step finishes, every rank learns of the request through the
+    # step's all-reduce (so they stop after the same step)": the signal arrived during PREEMPT_GATE_STEP.
+    assert stop == PREEMPT_GATE_STEP, (
+        f"SIGUSR1 arrived during step {PREEMPT_GATE_STEP}, but the run stopped after step {stop}: run.py "
+        "passes stop_requested=stop.requested to train_step when the step starts, so a signal arriving "
+        "during a step only reaches the NEXT step's all-reduce (one extra step before the checkpoint and exit)")
+
+
+# --------------------------------------------------------------------------- 4. another world size
+
+@uses("ref", "half")
+def test_resume_on_one_process_keeps_the_global_batch(fp32_2rank, tmp_path):
+    good = copy_run(fp32_2rank.half_copy, tmp_path / "good")
+    bad = copy_run(fp32_2rank.half_copy, tmp_path / "bad")
+    before = digests(bad / "checkpoints"), (bad / "metrics.jsonl").read_bytes()
+    # 1 process: micro 8 x accum 4 = global 32, as saved; and one without batch.global_batch_size,
+    # whose global batch (micro 8 x accum 2 x 1 rank = 16) differs from the checkpoint's 32.
+    ok, err = run_all([(JOB2 + [f"trainer.max_steps={STEPS}", f"hydra.run.dir={good}"], 0),
+                       (JOB2 + ["batch.global_batch_size=null", "batch.accum_steps=2",
+                                f"trainer.max_steps={STEPS}", f"hydra.run.dir={bad}"], 0)], tmp_path)
+
+    assert ok.returncode == 0, ok.output[-4000:]
+    assert "world size 1 x micro batch 8 x accum steps 4 = global batch 32" in ok.output
+    assert resumed_from(ok.output) == str(ckpt(good, K))
+    got, want = metrics(good), metrics(fp32_2rank.ref)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in got[:K]] == [r["loss"] for r in want[:K]]  # the 2-rank part, kept
+    # Same samples per step for any world size (data.py), so only the reduction order differs.
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in got[K:]], dtype=torch.float64),
+                               torch.tensor([r["loss"] for r in want[K:]], dtype=torch.float64),
+                               rtol=1e-5, atol=0)
+    params, ref_params = final_params(good), final_params(fp32_2rank.ref)
+    assert params.keys() == ref_params.keys()
+    # The key bias (middle third of qkv.bias) has an exactly zero gradient (softmax ignores a constant
+    # added to every score of a query), so it holds only rounding noise, which AdamW normalises into
+    # steps: it is ~1e-6 in both runs but not equal to 1e-5. Everything else must match to 1e-5.
+    n_embd = 32
+    for params_ in (params, ref_params):
+        key_bias = params_["blocks.0.attn.qkv.bias"][n_embd:2 * n_embd]
+        assert key_bias.abs().max() < 1e-4
+        params_["blocks.0.attn.qkv.bias"] = torch.cat([params_["blocks.0.attn.qkv.bias"][:n_embd],
+                                                       params_["blocks.0.attn.qkv.bias"][2 * n_embd:]])
+    for name in ref_params:
+        torch.testing.assert_close(params[name], ref_params[name], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+    assert err.returncode == 2, err.output[-4000:]
+    assert "batch.global_batch_size" in err.output and "global batch of 32" in err.output, err.output[-4000:]
+    assert (digests(bad / "checkpoints"), (bad / "metrics.jsonl").read_bytes()) == before  # untouched
+
+
+# --------------------------------------------------------------------------- 5. non-finite losses
+
+@uses("nan_stop")
+def test_nonfinite_loss_stop_leaves_earlier_checkpoints_untouched(jobs):
+    # 2 ranks, accum 1, NaN loss on rank 1 at step 5, which waits on the gate first (see jobs).
+    job, run_dir, gate = jobs.job("nan_stop"), jobs.root / "nan_stop", jobs.root / "nan_stop-gate"
+    wait_for(lambda: Path(f"{gate}.waiting").exists(), job, 120, "rank 1 in step 5")
+    before = digests(run_dir / "checkpoints")  # step 5 has not reached its all-reduce yet
+    gate.touch()
+    result = jobs.result("nan_stop")
+    output = result.output
+    assert result.returncode != 0 and re.search(r"exitcode\s*:\s*2\b", output), output[-4000:]  # ranks exit 2
+    message = re.search(r"step 5: non-finite loss on ranks \[1\].*", output)  # rank 0's console
+    assert message and "trainer.nonfinite" in message.group(0), output[-4000:]
+    assert "step 5: non-finite loss on ranks [1]" in (run_dir / "rank1.log").read_text()
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]
+    assert sorted(before) == [f"step_0000000{s}/{f}" for s in (2, 4)
+                              for f in ("manifest.json", "rng_rank0.pt", "rng_rank1.pt", "shared.pt")]
+    assert digests(run_dir / "checkpoints") == before  # same bytes and mtimes, nothing added
+    assert not (run_dir / "final_model.pt").exists()
+
+
+@uses("nan_skip")
+def test_nonfinite_loss_skip_until_max_consecutive_skips(jobs):
+    # One process, accum 1: forward n is step n. NaN at steps 3, 6, 7, 8 with max_consecutive_skips=2:
+    # 3 is skipped (nothing updated, the warmup waits), 4 and 5 train, 6 and 7 are skipped,
+    # 8 is the third skip in a row: stop, exit code 2.
+    result, run_dir = jobs.result("nan_skip"), jobs.root / "nan_skip"
+    assert result.returncode == 2, result.output[-4000:]
+    assert re.search(r"step 8: non-finite loss on ranks \[0\], 3 steps in a row, more than "
+                     r"trainer.max_consecutive_skips=2", result.output), result.output[-4000:]
+    records = metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6, 7]
+    assert [r["skipped"] for r in records] == [False, False, True, False, False, True, True]
+    assert [r["updates"] for r in records] == [1, 2, 2, 3, 4, 4, 4]
+    assert [r["loss"] is None for r in records] == [r["skipped"] for r in records]  # NaN written as null
+    assert [r["grad_norm"] is None for r in records] == [r["skipped"] for r in records]
+    lrs = [r["lr"] for r in records]
+    assert lrs[2] == lrs[3] and lrs[5] == lrs[6]  # a skipped step does not move the warmup
+    assert lrs[0] < lrs[1] < lrs[2] < lrs[4] < lrs[5]
+
+
+# --------------------------------------------------------------------------- 6. corrupt checkpoints
+
+@uses("corrupt")
+def test_corrupt_checkpoints_are_skipped_for_the_newest_valid_one(jobs, tmp_path):
+    # The "corrupt" job: 8 steps, checkpoints 2, 4, 6 and 8 kept. The three newest are damaged in
+    # three ways; a new start warns about each, newest first, and resumes from step 2.
+    assert jobs.result("corrupt").returncode == 0
+    first = jobs.root / "corrupt"
+    run_dir = copy_run(first, tmp_path / "run")
+    (run_dir / "final_model.pt").unlink()
+    shared = ckpt(run_dir, 8) / "shared.pt"
+    shared.write_bytes(shared.read_bytes()[: shared.stat().st_size // 2])  # truncated
+    (ckpt(run_dir, 6) / "manifest.json").unlink()  # never sealed
+    data = bytearray((ckpt(run_dir, 4) / "shared.pt").read_bytes())
+    data[len(data) // 2] ^= 0x01  # one flipped bit, same size
+    (ckpt(run_dir, 4) / "shared.pt").write_bytes(bytes(data))
+
+    result = run(CORRUPT + [f"hydra.run.dir={run_dir}"], tmp_path)
+    assert result.returncode == 0, result.output[-4000:]
+    warned = re.findall(r"checkpoint (\S+) is unusable \((.*)\); trying the previous one", result.output)
+    assert [path for path, _ in warned] == [str(ckpt(run_dir, s)) for s in (8, 6, 4)], result.output[-4000:]
+    assert re.fullmatch(r"shared.pt has \d+ bytes, the manifest says \d+", warned[0][1]), warned
+    assert warned[1][1].startswith("unreadable manifest"), warned
+    assert warned[2][1] == "shared.pt does not match its sha256", warned
+    assert resumed_from(result.output) == str(ckpt(run_dir, 2)), result.output[-4000:]
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, 9))
+    assert all(verify(ckpt(run_dir, s)) is None for s in (2, 4, 6, 8))  # rewritten, valid again
+    assert_bit_identical(run_dir, first)
+
+
+# --------------------------------------------------------------------------- 7. malicious checkpoint
+
+class _CreatesFile:
+    """Unpickling this calls open(marker, "w"): code execution, which weights_only must refuse."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _evil_checkpoint(path: Path, marker: Path) -> None:
+    """A checkpoint whose shared.pt runs open(marker, 'w') when unpickled, sealed with a valid manifest."""
+    path.mkdir(parents=True)
+    torch.save({"format": 1, "world_size": 1, "trainer": _CreatesFile(marker),
+                "loop": {"step": 2, "epoch": 0, "step_in_epoch": 2, "samples": 32},
+                "plan": {"global_batch_size": 16}}, path / "shared.pt")
+    data = (path / "shared.pt").read_bytes()
+    manifest = {"step": 2, "world_size": 1, "format": 1,
+                "files": {"shared.pt": {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}}}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+@uses("evil")
+def test_checkpoint_that_would_run_code_is_refused(jobs, tmp_path):
+    # The payload works: a plain (unsafe) torch.load runs it.
+    probe_marker = tmp_path / "probe-marker"
+    _evil_checkpoint(tmp_path / "probe", probe_marker)
+    torch.load(tmp_path / "probe" / "shared.pt", weights_only=False)
+    assert probe_marker.exists()
+
+    run_dir = jobs.root / "evil"  # started on a run dir holding only such a checkpoint (see jobs)
+    result = jobs.result("evil")
+    assert not (jobs.root / "evil-marker").exists(), "loading the checkpoint ran code from it"
+    # The manifest and sha256 are valid, but verification also loads it with
+    # weights_only=True, which refuses the io.open global: the checkpoint is
+    # unusable, and as no usable one is left the run stops cleanly, changing nothing.
+    assert "weights_only=True" in verify(ckpt(run_dir, 2))
+    assert result.returncode == 2, result.output[-4000:]
+    assert "no usable checkpoint" in result.output and "nothing in it ran" in result.output, result.output[-4000:]
+    assert ckpt(run_dir, 2).exists()  # left in place for the user to inspect
+    assert metrics(run_dir) == [] and not (run_dir / "final_model.pt").exists()
+
+
+# --------------------------------------------------------------------------- 8. keep_checkpoints
+
+@uses("keep")
+def test_only_the_newest_checkpoints_are_kept(jobs):
+    result, run_dir = jobs.result("keep"), jobs.root / "keep"  # 10 steps, ckpt_every=2, keep_checkpoints=2
+    assert result.returncode == 0, result.output[-4000:]
+    for step in (2, 4, 6, 8, 10):
+        assert f"step {step}: checkpoint {ckpt(run_dir, step)}" in result.output  # all were written
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000008", "step_00000010"]
+    assert verify(ckpt(run_dir, 8)) is None and verify(ckpt(run_dir, 10)) is None
