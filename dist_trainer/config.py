@@ -31,6 +31,11 @@ class BatchConfig:
     micro_batch_size: Any = 16
     global_batch_size: Optional[int] = None  # samples per optimizer step, all ranks
     accum_steps: Optional[int] = None  # micro-batches per optimizer step
+    # The epoch's last step when it holds fewer samples (data.drop_last=false):
+    # "mean" averages over what it holds, like every step; "scaled" also multiplies
+    # its gradient by held / global_batch_size, so every sample of the epoch
+    # weighs the same in the sum of updates.
+    partial_step: str = "mean"
 
 
 @dataclass
@@ -193,6 +198,8 @@ def _validate_values(cfg: Config) -> None:
     _check(ls.growth_interval >= 1, "precision.loss_scale.growth_interval", ls.growth_interval, "must be >= 1")
     _check(ls.hysteresis >= 1, "precision.loss_scale.hysteresis", ls.hysteresis, "must be >= 1")
     _check(0 < ls.min_scale <= ls.init_scale, "precision.loss_scale.min_scale", ls.min_scale, "must be in (0, init_scale]")
+    _check(cfg.batch.partial_step in ("mean", "scaled"), "batch.partial_step", cfg.batch.partial_step,
+           "choose mean or scaled")
     _check(o.name in OPTIMIZERS, "optim.name", o.name, f"choose one of {OPTIMIZERS}")
     _check(o.lr > 0, "optim.lr", o.lr, "must be > 0")
     _check(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "must be >= 0")

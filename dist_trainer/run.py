@@ -106,7 +106,8 @@ def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
     weights = precision.weights(ddp.module)
     counter = count_allreduces(ddp, weights.reduce_bucket)
     optimizer = build_optimizer(weights.optimizer_params(), cfg.optim, plan.lr)
-    trainer = Trainer(ddp, optimizer, precision, weights, counter, env, plan, cfg.optim, cfg.trainer)
+    trainer = Trainer(ddp, optimizer, precision, weights, counter, env, plan, cfg.optim, cfg.trainer,
+                      cfg.batch.partial_step)
     step_plan = StepPlan(len(train_set), plan, env.rank, cfg.trainer.seed,
                          cfg.data.get("shuffle", True), cfg.data.get("drop_last", False))
     torch.manual_seed(cfg.trainer.seed + env.rank)  # dropout and other runtime randomness per rank

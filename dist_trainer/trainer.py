@@ -91,10 +91,10 @@ class Trainer:
 
     def __init__(self, model: DDP, optimizer: torch.optim.Optimizer, precision: Precision,
                  weights: ModelWeights | MasterWeights, counter: AllreduceCounter, env: DistEnv,
-                 plan: BatchPlan, optim_cfg: OptimConfig, trainer_cfg: TrainerConfig):
+                 plan: BatchPlan, optim_cfg: OptimConfig, trainer_cfg: TrainerConfig, partial_step: str = "mean"):
         self.model, self.optimizer, self.precision, self.weights = model, optimizer, precision, weights
         self.counter, self.env, self.plan = counter, env, plan
-        self.optim_cfg, self.trainer_cfg = optim_cfg, trainer_cfg
+        self.optim_cfg, self.trainer_cfg, self.partial_step = optim_cfg, trainer_cfg, partial_step
         self.names = {p: name for name, p in model.module.named_parameters()}
         self.updates = 0  # applied optimizer updates: drives the lr schedule
         self.consecutive_skips = 0
@@ -185,6 +185,8 @@ class Trainer:
         # DDP averaged over ranks; undo that, the loss scale and the divisor, and
         # divide by the true item count of the whole step: one multiply.
         factor = self.env.world_size * divisor / (scale * items)
+        if self.partial_step == "scaled":  # a short last step counts by the samples it holds
+            factor *= totals["samples"] / self.plan.global_batch_size
         grad_norm = totals["raw_norm"] * factor
         clip = self.optim_cfg.grad_clip
         if clip is not None and grad_norm > clip:

@@ -151,8 +151,8 @@ def test_gpt_loss_sum_is_additive_over_samples() -> None:
 def test_gpt_training_lowers_loss() -> None:
     torch.manual_seed(0)
     ds = char_text(block_size=64)
-    model = GPT()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model = GPT(n_layer=2, n_embd=64, n_head=4)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     loader = DataLoader(ds, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(0))
     eval_batch = _batch(ds, range(100, 132))
 

@@ -182,3 +182,35 @@ def test_fp16_nonfinite_gradient_on_one_rank_skips_the_step_on_all_ranks(tmp_pat
         assert r["log"] == ["step 2: non-finite gradients in net.0.weight, net.0.bias, net.2.weight, net.2.bias"]
     for a, b in zip(results[0]["params"][-1], results[1]["params"][-1]):
         assert torch.equal(a, b)
+
+
+def _partial_step_update(policy):
+    """Parameters before and after the epoch's short last step (6 of 32 samples)."""
+    cfg = regression_config(micro=8, glob=32, steps=3, n=70, name="sgd", lr=1.0, momentum=0.0,
+                            weight_decay=0.0, warmup_steps=0, schedule="constant", grad_clip=None)
+    cfg.batch.partial_step = policy
+    parts = build(cfg, validate(cfg, 1), distributed.init("cpu"))
+    model = parts.trainer.model.module
+    for step, outcome in _steps(parts, 3):
+        if step == 2:
+            before = [p.detach().clone() for p in model.parameters()]
+    after = [p.detach().clone() for p in model.parameters()]
+    samples = outcome.samples
+    del parts, model
+    gc.collect()
+    return before, after, samples
+
+
+def test_partial_step_scaled_weighs_a_short_last_step_by_its_samples():
+    try:
+        before_m, after_m, samples = _partial_step_update("mean")
+        before_s, after_s, _ = _partial_step_update("scaled")
+    finally:
+        dist.destroy_process_group()
+    assert samples == 6  # 70 = 32 + 32 + 6
+    for b_m, a_m, b_s, a_s in zip(before_m, after_m, before_s, after_s):
+        assert torch.equal(b_m, b_s)  # the two full steps are the same under both policies
+        # SGD with lr 1: the update is minus the gradient; "scaled" is "mean" x 6/32
+        # (to the rounding of parameter - parameter, hence the absolute tolerance).
+        torch.testing.assert_close(a_s - b_s, (a_m - b_m) * 6 / 32, rtol=1e-4, atol=1e-6)
+        assert (a_m - b_m).abs().max() > 1e-2  # the step did move the parameters
