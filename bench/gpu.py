@@ -1,0 +1,170 @@
+"""Tokens/s, MFU and peak memory per precision mode, torch.compile off and on, one GPU.
+
+    python bench/gpu.py            # one CUDA GPU (made for an H200: under 6 minutes)
+    python bench/gpu.py --smoke    # CPU, a tiny GPT, 2 steps per mode: checks the script itself
+
+What runs is dist_trainer's own Trainer, built by ``dist_trainer.run.build`` from
+a ``Config`` in a process group of one (``dist_trainer.distributed.init``, so
+DDP over one rank, as ``python -m dist_trainer`` runs it), fed by
+``dist_trainer.data.epoch_batches``; each step is ``Trainer.train_step``.
+
+The model is GPT-2 small's shape, dist_trainer.models.GPT(n_layer=12,
+n_head=12, n_embd=768, block_size=1024) with the BYTE vocabulary (256, the
+char_text dataset's), so ~85 M parameters instead of GPT-2's 124 M (its 50257
+token embedding is what is missing); micro-batch 16 sequences x 1024 tokens,
+accum 1. dist_trainer has no compile option: "compile on" compiles the model
+inside DDP in place (``module.compile()``), the framework's step unchanged.
+
+Per configuration: ``--warmup`` steps (compilation happens there), then
+``--steps`` timed steps; tokens/s = tokens / (wall time of the timed steps,
+synchronised at both ends); MFU = model.flops_per_item() x tokens/s /
+dist_trainer.metrics.peak_flops(device, half precision) (CUDA dense peaks;
+None on CPU); peak memory = dist_trainer.metrics.peak_mem_mb (CUDA: peak
+allocated, reset before each configuration; CPU: the process's peak resident
+set, which only grows, so later CPU rows are upper bounds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+MODES = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-master")
+FULL = {"model": dict(vocab_size=256, block_size=1024, n_layer=12, n_head=12, n_embd=768, dropout=0.0),
+        "micro": 16, "warmup": 3, "steps": 15}
+SMOKE = {"model": dict(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64, dropout=0.0),
+         "micro": 4, "warmup": 1, "steps": 1}
+
+
+def run_config(env, spec: dict, precision: str, compile_model: bool, warmup: int, steps: int) -> dict:
+    import torch
+
+    from dist_trainer.config import BatchConfig, Config, OptimConfig, PrecisionConfig, TrainerConfig, validate
+    from dist_trainer.data import epoch_batches
+    from dist_trainer.metrics import peak_flops, peak_mem_mb
+    from dist_trainer.run import build, to_device
+
+    cuda = env.device.type == "cuda"
+    cfg = Config(model={"_target_": "dist_trainer.models.GPT", **spec["model"]},
+                 data={"_target_": "dist_trainer.datasets.char_text", "block_size": spec["model"]["block_size"]},
+                 batch=BatchConfig(micro_batch_size=spec["micro"], accum_steps=1),
+                 precision=PrecisionConfig(name=precision), optim=OptimConfig(lr=6e-4, grad_clip=1.0),
+                 trainer=TrainerConfig(max_steps=warmup + steps, device=env.device.type))
+    plan = validate(cfg, env.world_size)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(env.device)
+    parts = build(cfg, plan, env)
+    trainer = parts.trainer
+    model = trainer.model.module
+    if compile_model:
+        model.compile()  # in place: DDP and the Trainer keep calling the same module
+    pin = cuda
+    train_set, step_plan = parts.train_set, parts.step_plan
+
+    def batches():
+        epoch = 0
+        while True:
+            yield from epoch_batches(train_set, step_plan, epoch, 0, 0, pin)
+            epoch += 1
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(env.device)
+
+    source = batches()
+    t_build = time.perf_counter()
+    items, outcome = 0, None
+    for step in range(1, warmup + steps + 1):
+        if step == warmup + 1:
+            sync()
+            start = time.perf_counter()
+            warm_s = start - t_build
+        window, micro_batches = next(source)
+        outcome = trainer.train_step([to_device(b, env.device) for b in micro_batches], window, step)
+        if step > warmup:
+            items += outcome.items
+    sync()
+    elapsed = time.perf_counter() - start
+    tokens_per_s = items / elapsed
+    peak = peak_flops(env.device, trainer.precision.autocast_dtype is not None)
+    mfu = model.flops_per_item() * tokens_per_s / peak if peak else None
+    result = {"precision": precision, "compile": compile_model, "tokens_per_s": tokens_per_s, "mfu": mfu,
+              "peak_mem_mb": peak_mem_mb(env.device), "step_ms": 1000 * elapsed / steps, "warmup_s": warm_s,
+              "loss": outcome.loss, "skipped": outcome.skipped, "params": model.num_params()}
+    del trainer, parts, model, source
+    gc.collect()
+    if compile_model:
+        torch._dynamo.reset()
+    if cuda:
+        torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, 2 steps per mode")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--compile", choices=("both", "off", "on"), default="both")
+    parser.add_argument("--warmup", type=int, help="steps before timing (default 3; smoke 1)")
+    parser.add_argument("--steps", type=int, help="timed steps (default 15; smoke 1)")
+    parser.add_argument("--budget-s", type=float, default=270.0,
+                        help="stop starting new configurations after this many seconds (the rest are reported as skipped)")
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args()
+    t0 = time.perf_counter()
+
+    import torch
+
+    from dist_trainer import distributed
+
+    spec = dict(SMOKE if args.smoke else FULL)
+    warmup = args.warmup if args.warmup is not None else spec["warmup"]
+    steps = args.steps if args.steps is not None else spec["steps"]
+    if not args.smoke and not torch.cuda.is_available():
+        sys.exit("no CUDA device: run with --smoke on CPU")
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)  # a process group of one, whatever launched us
+    env = distributed.init("cpu" if args.smoke else "cuda")
+    device_name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "CPU"
+    m = spec["model"]
+    print(f"device {device_name}, torch {torch.__version__}; GPT n_layer={m['n_layer']} n_head={m['n_head']} "
+          f"n_embd={m['n_embd']} block={m['block_size']} vocab={m['vocab_size']} (byte); micro {spec['micro']} x "
+          f"accum 1; {warmup} warm-up + {steps} timed steps per configuration", flush=True)
+    compiles = {"both": (False, True), "off": (False,), "on": (True,)}[args.compile]
+    configs = [(mode, c) for c in compiles for mode in args.modes.split(",")]
+    results = []
+    for mode, comp in configs:
+        if time.perf_counter() - t0 > args.budget_s:
+            results.append({"precision": mode, "compile": comp, "skipped_for_time": True})
+            print(f"{mode:12s} compile={'on ' if comp else 'off'} skipped: past --budget-s", flush=True)
+            continue
+        r = run_config(env, spec, mode, comp, warmup, steps)
+        results.append(r)
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
+        print(f"{mode:12s} compile={'on ' if comp else 'off'} {r['tokens_per_s']:12,.0f} tokens/s | MFU {mfu:>6s} | "
+              f"peak {r['peak_mem_mb']:9,.0f} MiB | {r['step_ms']:8.1f} ms/step | warm-up {r['warmup_s']:5.1f} s | "
+              f"loss {r['loss']:.4f}{' SKIPPED STEP' if r['skipped'] else ''}", flush=True)
+    print("\n| precision | torch.compile | tokens/s | MFU | peak memory (MiB) | step (ms) |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        if r.get("skipped_for_time"):
+            print(f"| {r['precision']} | {'on' if r['compile'] else 'off'} | skipped (time budget) | | | |")
+            continue
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
+        print(f"| {r['precision']} | {'on' if r['compile'] else 'off'} | {r['tokens_per_s']:,.0f} | {mfu} | "
+              f"{r['peak_mem_mb']:,.0f} | {r['step_ms']:.1f} |")
+    print(f"\ntotal {time.perf_counter() - t0:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": device_name, "spec": spec, "results": results}, indent=1))
+    distributed.shutdown(env)
+
+
+if __name__ == "__main__":
+    main()
