@@ -23,7 +23,7 @@ import torch
 from hydra.utils import instantiate
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .config import LOADER_KEYS, BatchPlan
+from .config import LOADER_KEYS, BatchPlan, Config
 
 # One optimizer step on one rank: its micro-batches, each a list of dataset
 # indices; an empty list is a placeholder that contributes nothing.
@@ -52,6 +52,12 @@ class StepPlan:
             )
         self.num_samples, self.plan, self.rank = num_samples, plan, rank
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
+
+    @classmethod
+    def for_config(cls, num_samples: int, cfg: Config, plan: BatchPlan, rank: int) -> "StepPlan":
+        """The plan the configuration asks for (data.shuffle defaults to true, data.drop_last to false)."""
+        return cls(num_samples, plan, rank, cfg.trainer.seed,
+                   cfg.data.get("shuffle", True), cfg.data.get("drop_last", False))
 
     @property
     def steps_per_epoch(self) -> int:

@@ -58,7 +58,7 @@ class MetricsWriter:
         if keep_until > 0 and path.exists():
             # Steps after the checkpoint were lost with the crash and will run again.
             kept = [line for line in path.read_text().splitlines(keepends=True)
-                    if line.strip() and _step_of(line) is not None and _step_of(line) <= keep_until]
+                    if (step := _step_of(line)) is not None and step <= keep_until]
         self.file = open(path, "w", buffering=1)
         self.file.writelines(kept)
 

@@ -45,8 +45,7 @@ def expected_buckets(param_bytes: List[tuple[torch.dtype, int]], bucket_cap_mb: 
 def plan_report(cfg: Config, world_size: int) -> str:
     plan = validate(cfg, world_size)
     dataset = build_dataset(cfg.data)
-    step_plan = StepPlan(len(dataset), plan, 0, cfg.trainer.seed, cfg.data.get("shuffle", True),
-                         cfg.data.get("drop_last", False))
+    step_plan = StepPlan.for_config(len(dataset), cfg, plan, rank=0)
     precision = Precision(cfg.precision, torch.device("cpu"))
     with torch.device("meta"):  # shapes and dtypes only: no memory, no initialisation cost
         model = precision.prepare(instantiate(cfg.model, _convert_="all"))

@@ -8,7 +8,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -108,8 +108,7 @@ def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
     optimizer = build_optimizer(weights.optimizer_params(), cfg.optim, plan.lr)
     trainer = Trainer(ddp, optimizer, precision, weights, counter, env, plan, cfg.optim, cfg.trainer,
                       cfg.batch.partial_step)
-    step_plan = StepPlan(len(train_set), plan, env.rank, cfg.trainer.seed,
-                         cfg.data.get("shuffle", True), cfg.data.get("drop_last", False))
+    step_plan = StepPlan.for_config(len(train_set), cfg, plan, env.rank)
     torch.manual_seed(cfg.trainer.seed + env.rank)  # dropout and other runtime randomness per rank
     return Parts(trainer, step_plan, train_set, eval_set)
 
@@ -130,8 +129,7 @@ def choose_micro_batch(cfg: Config, parts: Parts, env: DistEnv) -> BatchPlan:
         log.info("batch.micro_batch_size=auto: %d samples fit on every rank; using %d (divides %d per rank) "
                  "x accum steps %d", fits, plan.micro_batch_size, per_rank, plan.accum_steps)
     trainer.plan = plan
-    parts.step_plan = StepPlan(len(parts.train_set), plan, env.rank, cfg.trainer.seed,
-                               cfg.data.get("shuffle", True), cfg.data.get("drop_last", False))
+    parts.step_plan = StepPlan.for_config(len(parts.train_set), cfg, plan, env.rank)
     return plan
 
 
@@ -204,6 +202,7 @@ def _loop(cfg: Config, parts: Parts, position: Position, outputs: Outputs, stop:
     pin = env.device.type == "cuda"
     evals = eval_set is not None and (
         eval_loader(eval_set, plan.micro_batch_size, tcfg.eval_batches, env.rank, env.world_size, num_workers))
+    mfu_basis = _peak_model_flops(trainer)  # looked up once: neither changes during the run
     record: Dict[str, Any] = {}
     tick = time.perf_counter()
     while position.step < plan.max_steps:
@@ -217,7 +216,7 @@ def _loop(cfg: Config, parts: Parts, position: Position, outputs: Outputs, stop:
             position.step, position.step_in_epoch = step, position.step_in_epoch + 1
             position.samples += outcome.samples
             now = time.perf_counter()
-            record = step_record(outcome, position, trainer, now - tick, fetched - tick)
+            record = step_record(outcome, position, trainer, now - tick, fetched - tick, mfu_basis)
             last = step == plan.max_steps
             if evals and ((tcfg.eval_every and step % tcfg.eval_every == 0) or last):
                 record["eval_loss"] = evaluate(trainer.model.module, evals, trainer.precision, env.device)
@@ -238,8 +237,17 @@ def _loop(cfg: Config, parts: Parts, position: Position, outputs: Outputs, stop:
             "loss": record.get("loss"), "eval_loss": record.get("eval_loss")}
 
 
+def _peak_model_flops(trainer: Trainer) -> Optional[tuple[float, float]]:
+    """(model FLOPs per item, peak FLOP/s of all ranks), or None where MFU cannot be known."""
+    flops = getattr(trainer.model.module, "flops_per_item", None)
+    peak = peak_flops(trainer.env.device, trainer.precision.autocast_dtype is not None)
+    if not callable(flops) or not peak:
+        return None
+    return flops(), peak * trainer.env.world_size
+
+
 def step_record(outcome: StepOutcome, position: Position, trainer: Trainer, step_time: float,
-                data_time: float) -> Dict[str, Any]:
+                data_time: float, mfu_basis: Optional[tuple[float, float]]) -> Dict[str, Any]:
     env = trainer.env
     record = {
         "step": position.step, "epoch": position.epoch, "loss": outcome.loss, "lr": outcome.lr,
@@ -252,8 +260,7 @@ def step_record(outcome: StepOutcome, position: Position, trainer: Trainer, step
     }
     if outcome.item_form:  # items are tokens for language models
         record["tokens_per_s"] = record["items_per_s"]
-    flops = getattr(trainer.model.module, "flops_per_item", None)
-    peak = peak_flops(env.device, trainer.precision.autocast_dtype is not None)
-    if callable(flops) and peak:
-        record["mfu"] = flops() * record["items_per_s"] / (peak * env.world_size)
+    if mfu_basis is not None:
+        per_item, peak = mfu_basis
+        record["mfu"] = per_item * record["items_per_s"] / peak
     return record
