@@ -14,6 +14,7 @@ its share into micro-batches.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -165,3 +166,11 @@ def bench_env(**extra: str) -> Dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(BENCH), str(REPO), env.get("PYTHONPATH", "")) if p)
     env.update(extra)
     return env
+
+
+def runner_args() -> argparse.Namespace:
+    """The command line every per-framework runner takes: timed steps and where to write the times."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--out", required=True)
+    return parser.parse_args()

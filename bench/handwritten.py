@@ -11,7 +11,6 @@ divisor is a constant. Rank 0 writes the end time of every optimizer step.
 
 from __future__ import annotations
 
-import argparse
 import time
 from contextlib import nullcontext
 
@@ -20,14 +19,13 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
-from common import ACCUM, CLIP, MICRO, MODEL, StepClock, build_dataset, build_model, make_adamw, rank_micro_batches
+from common import (
+    ACCUM, CLIP, MICRO, MODEL, StepClock, build_dataset, build_model, make_adamw, rank_micro_batches, runner_args,
+)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = runner_args()
 
     launched = time.time()
     dist.init_process_group("gloo")

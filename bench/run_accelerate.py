@@ -11,20 +11,18 @@ backward passes under DDP's ``no_sync``.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
-from common import ACCUM, CLIP, StepClock, build_dataset, build_model, make_adamw, rank_micro_batches
+from common import (
+    ACCUM, CLIP, StepClock, build_dataset, build_model, make_adamw, rank_micro_batches, runner_args,
+)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = runner_args()
 
     launched = time.time()
     accelerator = Accelerator(gradient_accumulation_steps=ACCUM, cpu=True, mixed_precision="no")

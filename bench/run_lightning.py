@@ -11,7 +11,6 @@ backward passes under DDP's ``no_sync``.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import time
 import warnings
@@ -19,7 +18,9 @@ import warnings
 import lightning as L
 from torch.utils.data import DataLoader
 
-from common import ACCUM, CLIP, WORLD, StepClock, build_dataset, build_model, make_adamw, rank_micro_batches
+from common import (
+    ACCUM, CLIP, StepClock, WORLD, build_dataset, build_model, make_adamw, rank_micro_batches, runner_args,
+)
 
 
 class GPTModule(L.LightningModule):
@@ -50,10 +51,7 @@ class StepTimer(L.Callback):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = runner_args()
 
     launched = time.time()
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
