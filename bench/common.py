@@ -152,7 +152,14 @@ def machine_description() -> str:
     lscpu = subprocess.run("lscpu | head -20", shell=True, capture_output=True, text=True).stdout.strip()
     mem = subprocess.run("free -g | head -2", shell=True, capture_output=True, text=True).stdout.strip()
     return (f"{lscpu}\n{mem}\npython {platform.python_version()}, torch {torch.__version__}, "
-            f"{os.cpu_count()} CPUs visible, load average {os.getloadavg()}")
+            f"{os.cpu_count()} CPUs visible, load average {os.getloadavg()}\n"
+            f"allocator settings passed to every run: {allocator_env() or 'none (glibc defaults)'}")
+
+
+def allocator_env() -> Dict[str, str]:
+    """The environment variables that change malloc for every launched run (dist_trainer then leaves it alone)."""
+    return {k: v for k, v in os.environ.items()
+            if k.startswith("MALLOC_") or k in ("GLIBC_TUNABLES", "LD_PRELOAD")}
 
 
 def torchrun_cmd(*args: str, nproc: int = WORLD) -> List[str]:

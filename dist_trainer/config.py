@@ -85,6 +85,9 @@ class TrainerConfig:
     keep_checkpoints: int = 3  # newest checkpoints kept
     nonfinite: str = "stop"  # fp32/bf16 non-finite gradients: stop or skip the step
     max_consecutive_skips: int = 10  # with nonfinite=skip
+    # CPU runs: glibc keeps freed blocks for reuse instead of page-faulting fresh
+    # ones every step (dist_trainer/hostmem.py); false leaves malloc as it is.
+    tune_malloc: bool = True
 
 
 @dataclass

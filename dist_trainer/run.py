@@ -15,7 +15,7 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from torch import nn
 
-from . import checkpoint, distributed
+from . import checkpoint, distributed, hostmem
 from .config import BatchPlan, Config, ConfigError, validate
 from .data import StepPlan, build_dataset, epoch_batches, eval_loader
 from .distributed import DistEnv
@@ -74,6 +74,11 @@ def train(cfg: Config, run_dir: Path) -> Dict[str, Any]:
         raise ConfigError("batch.micro_batch_size=auto measures GPU memory and needs a CUDA device; "
                           "on CPU set an integer batch.micro_batch_size")
     env = distributed.init(cfg.trainer.device, cfg.dist.timeout_s)
+    if cfg.trainer.tune_malloc and env.device.type == "cpu":
+        tuned = hostmem.keep_freed_memory()  # before the model and data are allocated
+        if env.is_main:
+            log.info("host malloc: %s", "freed blocks kept for reuse (trainer.tune_malloc=false to keep the "
+                     "system's settings)" if tuned else f"left as set ({hostmem.user_choice() or 'not glibc'})")
     try:
         return _train(cfg, plan, env, Path(run_dir))
     except BaseException as err:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+import platform
 
 import pytest
 import torch
 
+from dist_trainer import hostmem
 from helpers import run_module
 
 BAD_CONFIGS = [
@@ -54,6 +56,8 @@ def test_default_job_under_torchrun_trains_and_writes_the_contract_outputs(tmp_p
     run_dir = runs[0]
     assert (run_dir / "rank0.log").exists() and (run_dir / "rank1.log").exists()
     assert "world size 2 x micro batch 16 x accum steps 2 = global batch 64" in proc.stdout
+    if hostmem.user_choice() is None and platform.libc_ver()[0] == "glibc":  # trainer.tune_malloc's default
+        assert "host malloc: freed blocks kept for reuse" in proc.stdout
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 17))
     for r in records:
@@ -85,8 +89,10 @@ def test_plan_mode_fails_like_the_trainer_on_an_impossible_split(tmp_path):
 
 def test_single_process_runs_the_same_path(tmp_path):
     proc = run_module(["trainer.max_steps=3", "batch.global_batch_size=32", "model.n_layer=1",
-                       "precision=bf16-mixed", f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, timeout=120)
+                       "precision=bf16-mixed", "trainer.tune_malloc=false", f"hydra.run.dir={tmp_path}/run"],
+                      cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "host malloc" not in proc.stdout
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 3 and all(math.isfinite(r["loss"]) for r in records)
 
