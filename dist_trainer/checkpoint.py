@@ -137,43 +137,49 @@ def list_checkpoints(root: Path) -> List[Path]:
 
 def verify(path: Path) -> Optional[str]:
     """None if the checkpoint is intact, else what is wrong with it."""
+    return _read_verified(path)[0]
+
+
+def _read_verified(path: Path) -> tuple[Optional[str], Dict[str, Any]]:
+    """(what is wrong with the checkpoint or None, its files loaded by name when intact)."""
     try:
         manifest = json.loads((path / MANIFEST).read_text())
         for name, meta in manifest["files"].items():
             file = path / name
             if not file.is_file():
-                return f"{name} is missing"
+                return f"{name} is missing", {}
             if file.stat().st_size != meta["bytes"]:
-                return f"{name} has {file.stat().st_size} bytes, the manifest says {meta['bytes']}"
+                return f"{name} has {file.stat().st_size} bytes, the manifest says {meta['bytes']}", {}
             if _sha256(file) != meta["sha256"]:
-                return f"{name} does not match its sha256"
+                return f"{name} does not match its sha256", {}
         if "shared.pt" not in manifest["files"]:
-            return "shared.pt is not in the manifest"
+            return "shared.pt is not in the manifest", {}
     except (OSError, ValueError, KeyError, TypeError) as err:
-        return f"unreadable manifest ({err})"
+        return f"unreadable manifest ({err})", {}
+    loaded = {}
     for name in manifest["files"]:
         try:  # intact is not enough: it must hold nothing but tensors and plain values
-            torch.load(path / name, map_location="cpu", weights_only=True)
+            loaded[name] = torch.load(path / name, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError:
             return (f"{name} holds objects other than tensors and plain values; torch.load(weights_only=True) "
-                    "refused it, so nothing in it ran")
-    return None
+                    "refused it, so nothing in it ran"), {}
+    return None, loaded
 
 
 class CheckpointError(RuntimeError):
     """Checkpoints exist but none can be used; nothing was changed."""
 
 
-def _newest_valid(root: Path) -> tuple[Optional[Path], List[str]]:
-    """The newest checkpoint that passes ``verify``, and what was wrong with newer ones."""
+def _newest_valid(root: Path) -> tuple[Optional[Path], List[str], Dict[str, Any]]:
+    """The newest checkpoint that passes ``verify``, what was wrong with newer ones, and its loaded files."""
     problems = []
     for path in list_checkpoints(root):
-        problem = verify(path)
+        problem, loaded = _read_verified(path)
         if problem is None:
-            return path, problems
+            return path, problems, loaded
         log.warning("checkpoint %s is unusable (%s); trying the previous one", path, problem)
         problems.append(f"{path.name}: {problem}")
-    return None, problems
+    return None, problems, {}
 
 
 def load_latest(run_dir: Path, env: DistEnv) -> Optional[Tuple[Dict[str, Any], Optional[Dict[str, Any]]]]:
@@ -183,8 +189,9 @@ def load_latest(run_dir: Path, env: DistEnv) -> Optional[Tuple[Dict[str, Any], O
     from the same checkpoint even if they would see the directory differently.
     """
     choice: List[Any] = [None, []]
+    loaded: Dict[str, Any] = {}  # rank 0: the files it verified, so that it does not read them twice
     if env.is_main:
-        path, problems = _newest_valid(checkpoint_dir(run_dir))
+        path, problems, loaded = _newest_valid(checkpoint_dir(run_dir))
         choice = [str(path) if path else "", problems]
     dist.broadcast_object_list(choice, src=0)
     if not choice[0]:
@@ -196,8 +203,11 @@ def load_latest(run_dir: Path, env: DistEnv) -> Optional[Tuple[Dict[str, Any], O
             )
         return None
     path = Path(choice[0])
-    shared = torch.load(path / "shared.pt", map_location="cpu", weights_only=True)
-    rng_file = path / f"rng_rank{env.rank}.pt"
-    rng = torch.load(rng_file, map_location="cpu", weights_only=True) if rng_file.exists() else None
+    shared = loaded["shared.pt"] if "shared.pt" in loaded else torch.load(path / "shared.pt", map_location="cpu",
+                                                                      weights_only=True)
+    rng_name = f"rng_rank{env.rank}.pt"
+    rng = loaded.get(rng_name)
+    if rng is None and (path / rng_name).exists():
+        rng = torch.load(path / rng_name, map_location="cpu", weights_only=True)
     log.info("resuming from %s (step %d)", path, shared["loop"]["step"])
     return shared, rng
