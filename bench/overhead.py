@@ -58,12 +58,12 @@ def log_times(log: Path) -> Dict[int, float]:
 
 
 def run_dist_trainer(workdir: Path, warmup: int, steps: int, timeout: float,
-                     launcher: tuple = ("-m", "dist_trainer")) -> dict:
+                     launcher: tuple = ("-m", "dist_trainer"), extra: tuple = ()) -> dict:
     run_dir = workdir / "dist_trainer_run"
     total = warmup + steps + 1  # +1: the last step also evaluates, and its log line would include that
     log_every = math.gcd(warmup, steps) or 1
     cmd = torchrun_cmd(*launcher, *DIST_TRAINER_OVERRIDES, f"trainer.max_steps={total}",
-                       f"trainer.log_every={log_every}", f"hydra.run.dir={run_dir}")
+                       f"trainer.log_every={log_every}", f"hydra.run.dir={run_dir}", *extra)
     proc = subprocess.run(cmd, cwd=workdir, env=bench_env(), capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(launcher)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -73,7 +73,7 @@ def run_dist_trainer(workdir: Path, warmup: int, steps: int, timeout: float,
     stamps = log_times(run_dir / "rank0.log")
     wall = stamps[warmup + steps] - stamps[warmup] if warmup in stamps and warmup + steps in stamps else None
     losses = [by_step[k]["loss"] for k in range(1, warmup + steps + 1)]
-    return {"times": times, "wall_total_s": wall, "losses": losses}
+    return {"times": times, "wall_total_s": wall, "losses": losses, "peak_mem_mb": records[-1]["peak_mem_mb"]}
 
 
 def run_script(name: str, workdir: Path, warmup: int, steps: int, timeout: float) -> dict:
