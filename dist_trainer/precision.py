@@ -206,7 +206,9 @@ class MasterWeights:
 
     def fp32_state_dict(self, model: nn.Module) -> Dict[str, torch.Tensor]:
         state = _fp32_copy(model.state_dict())
-        for name, p in model.named_parameters():
+        # Every name of a tied parameter (a GPT's head.weight is its tok_emb.weight)
+        # gets the master: the state dict holds both, and loading takes the last.
+        for name, p in model.named_parameters(remove_duplicate=False):
             if p in self.master_of:
                 state[name] = self.master_of[p].detach().cpu().clone()
         return state

@@ -205,8 +205,10 @@ def _loop(cfg: Config, parts: Parts, position: Position, outputs: Outputs, stop:
     env, plan, tcfg = trainer.env, trainer.plan, cfg.trainer
     num_workers = cfg.data.get("num_workers", 0)
     pin = env.device.type == "cuda"
-    evals = eval_set is not None and (
-        eval_loader(eval_set, plan.micro_batch_size, tcfg.eval_batches, env.rank, env.world_size, num_workers))
+    # Not "eval_set and loader": a DataLoader with no batches is falsy, and a rank left
+    # without held-out samples must still join evaluate()'s all-reduce.
+    evals = (None if eval_set is None else
+             eval_loader(eval_set, plan.micro_batch_size, tcfg.eval_batches, env.rank, env.world_size, num_workers))
     mfu_basis = _peak_model_flops(trainer)  # looked up once: neither changes during the run
     record: Dict[str, Any] = {}
     tick = time.perf_counter()
@@ -223,7 +225,7 @@ def _loop(cfg: Config, parts: Parts, position: Position, outputs: Outputs, stop:
             now = time.perf_counter()
             record = step_record(outcome, position, trainer, now - tick, fetched - tick, mfu_basis)
             last = step == plan.max_steps
-            if evals and ((tcfg.eval_every and step % tcfg.eval_every == 0) or last):
+            if evals is not None and ((tcfg.eval_every and step % tcfg.eval_every == 0) or last):
                 record["eval_loss"] = evaluate(trainer.model.module, evals, trainer.precision, env.device)
             outputs.write(record)
             if last or outcome.stop_requested or (tcfg.ckpt_every and step % tcfg.ckpt_every == 0):

@@ -57,6 +57,39 @@ def test_master_weights_stay_bit_identical_across_ranks_with_accumulation(tmp_pa
             assert torch.equal(a, b)
 
 
+def _grads_worker(rank, world_size, precision, micro):
+    """The gradient the optimizer gets at step 1 (FP32 masters' .grad in master modes), in parameter order."""
+    cfg = _gpt_config(precision, 1, micro=micro)
+    cfg.optim.grad_clip = None  # the normalised gradient itself, not a clipped one
+    parts = build(cfg, validate(cfg, world_size), distributed.init("cpu"))
+    window, micro_batches = next(epoch_batches(parts.train_set, parts.step_plan, 0, 0, 0, False))
+    outcome = parts.trainer.train_step(micro_batches, window, 1)
+    result = {"skipped": outcome.skipped, "accum": len(window),
+              "grads": [g.detach().float().clone() for _, g in parts.trainer.weights.grads()]}
+    del parts
+    gc.collect()
+    return result
+
+
+def test_master_modes_accumulate_every_micro_batch(tmp_path):
+    # 2 ranks x micro 4 x accum 4 in a master mode against one batch of 32 in fp32:
+    # the FP32 masters' gradient is the whole step's mean up to half-precision
+    # rounding of each micro-batch's forward and backward. Losing a micro-batch
+    # (keeping only the last one's gradient, say) moves it by far more.
+    ref = run_ranks(_grads_worker, 1, tmp_path / "fp32", "fp32", 32)[0]
+    flat = lambda grads: torch.cat([g.flatten() for g in grads])  # noqa: E731
+    for precision, tol in (("bf16-master", 3e-2), ("fp16-master", 5e-3)):
+        r0, r1 = run_ranks(_grads_worker, 2, tmp_path / precision, precision, 4)
+        assert r0["accum"] == 4 and not r0["skipped"]
+        assert all(torch.equal(a, b) for a, b in zip(r0["grads"], r1["grads"]))
+        gap = ((flat(r0["grads"]) - flat(ref["grads"])).norm() / flat(ref["grads"]).norm()).item()
+        assert gap < tol, (precision, gap)
+        # The same comparison fails for one micro-batch's share of the step: the
+        # tolerance is far below what losing micro-batches costs.
+        lost = ((flat(r0["grads"]) / 4 - flat(ref["grads"])).norm() / flat(ref["grads"]).norm()).item()
+        assert lost > 10 * tol, (precision, lost)
+
+
 def _final_loss(precision: str, tmp_path, steps: int = 30) -> float:
     cfg = _gpt_config(precision, steps, micro=8, glob=32)
     return train(cfg, tmp_path / precision)["loss"]
@@ -71,6 +104,12 @@ def test_half_master_modes_train_as_well_as_fp32(tmp_path):
         assert abs(loss - fp32) / fp32 < 0.02, (precision, loss, fp32)
         weights = torch.load(tmp_path / precision / "final_model.pt", weights_only=True)
         assert {t.dtype for t in weights.values()} == {torch.float32}
+        # The saved weights are the FP32 masters (not half values widened back), under
+        # every name of a tied parameter: the head shares the token embedding.
+        half = {"bf16-master": torch.bfloat16, "fp16-master": torch.float16}[precision]
+        emb = weights["tok_emb.weight"]
+        assert torch.equal(weights["head.weight"], emb)
+        assert not torch.equal(emb, emb.to(half).float())
 
 
 def _bn_config(micro: int, steps: int = 3):

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import gc
+import json
 import logging
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -214,3 +216,30 @@ def test_partial_step_scaled_weighs_a_short_last_step_by_its_samples():
         # (to the rounding of parameter - parameter, hence the absolute tolerance).
         torch.testing.assert_close(a_s - b_s, (a_m - b_m) * 6 / 32, rtol=1e-4, atol=1e-6)
         assert (a_m - b_m).abs().max() > 1e-2  # the step did move the parameters
+
+
+def split_regression(split: str = "train", n: int = 32, n_val: int = 1, in_dim: int = 4):
+    """The regression data with a held-out split of ``n_val`` samples (drawn from another seed)."""
+    from dist_trainer.datasets import regression
+
+    return regression(n=n, in_dim=in_dim) if split == "train" else regression(n=n_val, in_dim=in_dim, seed=1)
+
+
+@pytest.mark.timeout(120)  # the bug this guards against is a hang: fail instead of waiting 30 minutes
+def test_a_rank_without_held_out_samples_still_joins_the_evaluation(tmp_path):
+    # One held-out sample on 2 ranks: rank 1's eval loader has no batch at all. It
+    # must still join evaluate()'s all-reduce, or rank 0 waits for it forever.
+    cfg = regression_config(micro=4, glob=16, steps=2)
+    cfg.data = {"_target_": f"{__name__}.split_regression", "split": "train", "n": 32, "n_val": 1, "shuffle": True}
+    cfg.trainer.eval_every, cfg.trainer.eval_batches = 1, 2
+    run_ranks(_train_worker, 2, tmp_path, cfg, str(tmp_path / "run"))
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    # The evaluation of the last step is the final model's loss on that one sample.
+    model = RegressionMLP(4, 16)
+    model.load_state_dict(torch.load(tmp_path / "run" / "final_model.pt", weights_only=True))
+    val = split_regression("val")
+    with torch.no_grad():
+        expected = model({k: v.unsqueeze(0) for k, v in val[0].items()}).item()
+    assert records[-1]["eval_loss"] == pytest.approx(expected, rel=1e-6)
+    assert records[0]["eval_loss"] != pytest.approx(expected, rel=1e-3)  # the first was of another model
