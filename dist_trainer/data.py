@@ -8,15 +8,18 @@ samples in a step does not depend on how it is split over ranks and
 micro-batches: that is what lets any split reproduce the one-big-batch update.
 
 The last step of an epoch may hold fewer samples (``data.drop_last=false``, the
-default): nothing is repeated to pad it (unlike DistributedSampler), a rank
-with nothing left gets one placeholder micro-batch whose loss counts zero, so
-every rank still joins the step's collectives, and the update is normalised by
-exactly the samples it holds. With ``data.drop_last=true`` that remainder is
-dropped instead.
+default): nothing is repeated to pad it (unlike DistributedSampler), and the
+update is normalised by exactly the samples it holds. Every rank still runs as
+many micro-batches as rank 0 (which gets the most): a rank with fewer samples
+fills the rest with placeholder micro-batches whose loss counts zero. So every
+rank issues the same collectives, including any inside the model's forward and
+backward (synchronized BatchNorm all-reduces in both). With
+``data.drop_last=true`` that remainder is dropped instead.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, Iterator, List
 
 import torch
@@ -75,8 +78,13 @@ class StepPlan:
         order = self.order(epoch).tolist()
         glob, world, micro = self.plan.global_batch_size, self.plan.world_size, self.plan.micro_batch_size
         for step in range(start_step, self.steps_per_epoch):
-            mine = order[step * glob:(step + 1) * glob][self.rank::world]
-            yield [mine[i:i + micro] for i in range(0, len(mine), micro)] or [[]]
+            samples = order[step * glob:(step + 1) * glob]
+            mine = samples[self.rank::world]
+            # Rank 0's count of micro-batches, on every rank: the missing ones are
+            # empty, i.e. placeholders (only in a short last step).
+            rank0_samples = math.ceil(len(samples) / world)
+            count = max(1, math.ceil(rank0_samples / micro))
+            yield [mine[i * micro:(i + 1) * micro] for i in range(count)]
 
 
 class _MicroBatchSampler(Sampler[List[int]]):
