@@ -8,6 +8,7 @@ One optimizer step, as pseudocode::
         backward of loss_sum * scale / divisor          # scale and divisor fixed for the window
     one all-reduce: [loss_sum, items, samples, non-finite flags] over all ranks
     if any gradient is non-finite anywhere: skip (every rank alike), back the scale off
+    if the step holds no items at all: skip it, the scale untouched
     else: grads *= world * divisor / (scale * items), clipped, in one multiply
           set the lr of this update, optimizer step, count the update
 
@@ -178,9 +179,14 @@ class Trainer:
         outcome = StepOutcome(loss, int(items), totals["samples"], lr,
                               scale if self.precision.scaler.dynamic else None, None, True,
                               self.item_form, totals["stop"], 0, 0)
-        if totals["nonfinite"] or items <= 0:
+        if totals["nonfinite"]:
             self.skipped_total += 1
             self._skip(totals, step)
+            return outcome
+        if items <= 0:  # e.g. every target of the step ignored: nothing to average, nothing overflowed
+            self.skipped_total += 1
+            self.weights.zero_grad()
+            log.warning("step %d holds no items to learn from (every target ignored?); nothing was updated", step)
             return outcome
         # DDP averaged over ranks; undo that, the loss scale and the divisor, and
         # divide by the true item count of the whole step: one multiply.

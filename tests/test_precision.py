@@ -47,6 +47,7 @@ from dist_trainer.config import (
 )
 from dist_trainer.optim import lr_at
 from dist_trainer.precision import ConstantScaler, DynamicLossScaler, LossScaleError, Precision
+from helpers import RegressionMLP
 
 FP16_TINY = 2.0**-24  # smallest positive fp16 subnormal, ~5.96e-8
 
@@ -528,7 +529,7 @@ def test_impossible_split_with_no_divisor_says_so():
 # --------------------------------------------------------------------------- 6. unscaling in the step
 
 
-def _one_rank_trainer(precision: str):
+def _one_rank_trainer(precision: str, model: str = "helpers.RegressionMLP"):
     """A real Trainer (via run.build) on a gloo group of one, in this process."""
     import torch.distributed as dist
 
@@ -539,7 +540,7 @@ def _one_rank_trainer(precision: str):
     if not dist.is_initialized():  # conftest destroys it after the test
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     cfg = Config(
-        model={"_target_": "helpers.RegressionMLP", "in_dim": 4, "hidden": 16},
+        model={"_target_": model, "in_dim": 4, "hidden": 16},
         data={"_target_": "dist_trainer.datasets.regression", "n": 40, "in_dim": 4, "shuffle": False},
         batch=BatchConfig(micro_batch_size=8, accum_steps=4),
         precision=PrecisionConfig(name=precision, loss_scale=LossScaleConfig(init_scale=2.0**10)),
@@ -584,3 +585,71 @@ def test_step_update_is_exact_mean_gradient_also_for_a_smaller_last_step(precisi
             err = ((applied - ref_grads[name]).norm() / ref_grads[name].norm()).item()
             assert err < rtol, (f"step {step} ({len(sizes)} micro-batches), {name}: update / exact gradient "
                                 f"= {(applied.norm() / ref_grads[name].norm()).item():.4f}, rel err {err:.3g}")
+
+
+def _reference_step(model, batches, window):
+    """Parameters before the step and the exact gradient of the step's sample mean."""
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    ref_model = type(model)(4, 16)
+    ref_model.load_state_dict(model.state_dict())
+    total = sum(ref_model(b) * len(ix) for b, ix in zip(batches, window)) / sum(len(ix) for ix in window)
+    grads = torch.autograd.grad(total, list(ref_model.parameters()))
+    return before, dict(zip([k for k, _ in ref_model.named_parameters()], grads))
+
+
+@pytest.mark.parametrize("precision, rtol", [("fp32", 1e-5), ("fp16-mixed", 2e-2)])
+@pytest.mark.parametrize("clip_ratio", [0.5, 2.0])  # optim.grad_clip as a multiple of the true norm
+def test_grad_norm_is_of_the_unscaled_mean_gradient_and_clipping_bounds_the_update(precision, rtol, clip_ratio):
+    # fp16 scales the loss by 2**10 here: a norm or clip taken before unscaling is off by 1024x.
+    trainer = _one_rank_trainer(precision)
+    model = trainer.model.module
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(32, 4, generator=g), torch.randn(32, generator=g)
+    window = [list(range(i, i + 8)) for i in range(0, 32, 8)]
+    batches = [{"x": x[ix], "y": y[ix]} for ix in window]
+    before, grads = _reference_step(model, batches, window)
+    true_norm = torch.cat([t.flatten() for t in grads.values()]).norm().item()
+    clip = clip_ratio * true_norm
+    trainer.optim_cfg.grad_clip = clip
+
+    outcome = trainer.train_step(batches, window, 1)
+    assert not outcome.skipped
+    assert outcome.grad_norm == pytest.approx(true_norm, rel=rtol)  # reported before clipping
+    applied = {k: before[k] - p.detach() for k, p in model.named_parameters()}  # SGD, lr 1: the gradient used
+    applied_norm = torch.cat([t.flatten() for t in applied.values()]).norm().item()
+    assert applied_norm == pytest.approx(min(clip, true_norm), rel=rtol)
+    for name, grad in grads.items():  # same direction: clipping only shortens it
+        expected = grad * min(1.0, clip / true_norm)
+        assert ((applied[name] - expected).norm() / expected.norm()).item() < rtol, name
+
+
+class MaskedMLP(RegressionMLP):
+    """Item form: the squared error summed over the samples whose ``use_branch`` flag is set."""
+
+    def forward(self, batch):
+        mask = batch["use_branch"].float()
+        err = (self.net(batch["x"]).squeeze(-1).float() - batch["y"]) ** 2
+        return {"loss_sum": (err * mask).sum(), "num_items": mask.sum()}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16-mixed"])
+def test_a_step_with_no_items_is_skipped_without_touching_the_loss_scale(precision):
+    # Not an overflow: fp16 must not back its scale off, and fp32 under the default
+    # trainer.nonfinite=stop must not stop the run.
+    trainer = _one_rank_trainer(precision, model=f"{__name__}.MaskedMLP")
+    model = trainer.model.module
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(16, 4, generator=g), torch.randn(16, generator=g)
+    window = [list(range(0, 8)), list(range(8, 16))]
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    scale = trainer.precision.scaler.scale
+    none = [{"x": x[ix], "y": y[ix], "use_branch": torch.zeros(8, dtype=torch.bool)} for ix in window]
+    outcome = trainer.train_step(none, window, 1)
+    assert outcome.skipped and outcome.items == 0 and outcome.samples == 16
+    assert trainer.skipped_total == 1 and trainer.consecutive_skips == 0 and trainer.updates == 0
+    assert trainer.precision.scaler.scale == scale
+    assert all(torch.equal(before[k], p.detach()) for k, p in model.named_parameters())
+    # The next step, with items, trains as usual.
+    some = [{**b, "use_branch": torch.arange(8) % 2 == 0} for b in none]
+    outcome = trainer.train_step(some, window, 2)
+    assert not outcome.skipped and outcome.items == 8 and trainer.updates == 1
