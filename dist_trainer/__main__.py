@@ -14,6 +14,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
 
 from . import distributed
 from .checkpoint import CheckpointError
@@ -49,7 +50,11 @@ def main(dict_cfg: DictConfig) -> None:
     from .run import train  # torch is imported after Hydra has parsed the command line
 
     _console_on_main_only()
-    cfg: Config = OmegaConf.to_object(dict_cfg)
+    try:
+        cfg: Config = OmegaConf.to_object(dict_cfg)
+    except MissingMandatoryValue as err:  # e.g. model=custom without model._target_
+        log.error("%s must be set, e.g. %s=my_pkg.module.Name", err.full_key, err.full_key)
+        sys.exit(2)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         if cfg.plan.only:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dist_trainer import hostmem
-from helpers import run_module
+from helpers import REPO, run_module
 
 BAD_CONFIGS = [
     # (overrides, text the error must contain)
@@ -109,3 +109,19 @@ def test_tensorboard_logger_writes_the_same_scalars(tmp_path):
     losses = [e.value for e in events.Scalars("train/loss")]
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3]
     assert losses == pytest.approx([r["loss"] for r in records], rel=1e-6)  # stored as float32
+
+
+def test_custom_model_and_data_groups_take_only_the_users_arguments(tmp_path):
+    # model=custom / data=custom start from an empty node: the GPT's and char_text's
+    # arguments are not passed on to the user's classes (which would not accept them).
+    proc = run_module(["model=custom", "model._target_=helpers.RegressionMLP", "+model.in_dim=4", "+model.hidden=8",
+                       "data=custom", "data._target_=dist_trainer.datasets.regression", "+data.n=48",
+                       "batch.micro_batch_size=8", "batch.global_batch_size=16", "trainer.max_steps=2",
+                       f"hydra.run.dir={tmp_path}/run"], cwd=REPO / "tests", timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "model helpers.RegressionMLP: 49 parameters | data dist_trainer.datasets.regression: 48 samples" in proc.stdout
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["samples"] for r in records] == [16, 32]
+    # Without a _target_, the error names the key to set.
+    missing = run_module(["model=custom", f"hydra.run.dir={tmp_path}/missing"], cwd=tmp_path, timeout=60)
+    assert missing.returncode == 2 and "model._target_ must be set" in missing.stdout + missing.stderr
