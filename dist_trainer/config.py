@@ -255,6 +255,10 @@ def validate(cfg: Config, world_size: int) -> BatchPlan:
     if batch.micro_batch_size == "auto":
         _check(batch.global_batch_size is not None, "batch.global_batch_size", None,
                "must be set with batch.micro_batch_size=auto (the finder keeps it, and so the lr, fixed)")
+        # Trials run the bare model rank by rank; synchronized BatchNorm would make each
+        # forward a collective, and a rank out of memory would leave the others in it.
+        _check(not cfg.dist.sync_batchnorm, "batch.micro_batch_size", "auto",
+               "cannot be used with dist.sync_batchnorm=true: set an integer batch.micro_batch_size")
         batch = BatchConfig(micro_batch_size=1, global_batch_size=batch.global_batch_size)
     accum, glob = derive_batch(batch, world_size)
     return BatchPlan(

@@ -4,7 +4,10 @@ Trials run forward and backward on the unwrapped model (no DDP collective
 inside, so a rank that runs out of memory cannot leave another waiting in an
 all-reduce), with ballast the size of the optimizer state that training will
 hold. After each trial one MIN all-reduce of "it fitted" makes every rank take
-the same branch of the search, so all ranks pick the same size.
+the same branch of the search, so all ranks pick the same size. A trial leaves
+no trace: the module's buffers (BatchNorm's running statistics) and the RNG
+streams (dropout) are put back as they were, so training starts exactly as it
+would have with that micro-batch size given explicitly.
 """
 
 from __future__ import annotations
@@ -66,16 +69,27 @@ def model_trial(model: nn.Module, dataset: Dataset, autocast: Callable, optimize
     """A trial that runs one forward and backward of ``size`` samples with optimizer-state ballast."""
 
     def trial(size: int) -> None:
-        ballast = [torch.empty_like(p) for p in optimizer_params for _ in range(states_per_param)]
-        batch = default_collate([dataset[i % len(dataset)] for i in range(size)])
-        batch = {k: v.to(device) for k, v in batch.items()} if isinstance(batch, dict) else batch.to(device)
-        with autocast():
-            output = model(batch)
-        loss = output["loss_sum"] if isinstance(output, dict) else output
-        loss.float().backward()
-        for p in model.parameters():
-            p.grad = None
-        del ballast, batch, output, loss
+        buffers = [b.detach().clone() for b in model.buffers()]
+        rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        try:
+            ballast = [torch.empty_like(p) for p in optimizer_params for _ in range(states_per_param)]
+            batch = default_collate([dataset[i % len(dataset)] for i in range(size)])
+            batch = {k: v.to(device) for k, v in batch.items()} if isinstance(batch, dict) else batch.to(device)
+            with autocast():
+                output = model(batch)
+            loss = output["loss_sum"] if isinstance(output, dict) else output
+            loss.float().backward()
+            del ballast, batch, output, loss
+        finally:
+            for p in model.parameters():
+                p.grad = None
+            with torch.no_grad():
+                for b, saved in zip(model.buffers(), buffers):
+                    b.copy_(saved)
+            torch.set_rng_state(rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state(cuda_rng, device)
 
     return trial
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
+from torch.utils.data import default_collate
 
 from dist_trainer.finder import find_micro_batch_size, largest_divisor_at_most
 from helpers import run_module, run_ranks
@@ -43,3 +46,42 @@ def test_auto_on_cpu_refuses_with_the_key_to_change(tmp_path):
                       cwd=tmp_path, timeout=60)
     assert proc.returncode == 2
     assert "batch.micro_batch_size=auto measures GPU memory" in proc.stdout + proc.stderr
+
+
+def test_a_trial_leaves_running_statistics_and_random_streams_as_they_were():
+    # BatchNorm updates its running statistics in a training forward and dropout
+    # draws from the RNG: after the search, training must start as it would have
+    # with the chosen size given explicitly.
+    from dist_trainer.finder import model_trial
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.5),
+                                           torch.nn.Linear(8, 1))
+
+        def forward(self, batch):
+            return torch.nn.functional.mse_loss(self.net(batch["x"]).squeeze(-1), batch["y"])
+
+    torch.manual_seed(0)
+    model = Net().train()
+    data = [{"x": torch.randn(4), "y": torch.randn(())} for _ in range(16)]
+    buffers = {k: v.clone() for k, v in model.state_dict().items() if "running" in k or "num_batches" in k}
+    rng = torch.get_rng_state()
+    trial = model_trial(model, data, nullcontext, list(model.parameters()), 2, torch.device("cpu"))
+    for size in (2, 8, 16):  # BatchNorm needs 2 samples in training mode
+        trial(size)
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in buffers.items())
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(p.grad is None for p in model.parameters())
+    # Guard: the trial did move them while it ran (so restoring them is what kept them).
+    model(default_collate(data[:8]))
+    assert not torch.equal(model.state_dict()["net.1.running_mean"], buffers["net.1.running_mean"])
+
+
+def test_auto_with_sync_batchnorm_is_refused_before_training(tmp_path):
+    proc = run_module(["batch.micro_batch_size=auto", "batch.global_batch_size=64", "dist.sync_batchnorm=true",
+                       f"hydra.run.dir={tmp_path}"], cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2
+    assert "batch.micro_batch_size='auto': cannot be used with dist.sync_batchnorm=true" in proc.stdout + proc.stderr
