@@ -208,6 +208,7 @@ def _validate_values(cfg: Config) -> None:
     _check(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "must be >= 0")
     _check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas", o.betas, "must be two values in [0, 1)")
     _check(o.eps > 0, "optim.eps", o.eps, "must be > 0")
+    _check(o.momentum >= 0, "optim.momentum", o.momentum, "must be >= 0")
     _check(o.lr_scaling in LR_SCALINGS, "optim.lr_scaling", o.lr_scaling, f"choose one of {LR_SCALINGS}")
     if o.lr_scaling != "none":
         _check(o.base_batch_size is not None and o.base_batch_size >= 1, "optim.base_batch_size",

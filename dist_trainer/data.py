@@ -26,7 +26,7 @@ import torch
 from hydra.utils import instantiate
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .config import LOADER_KEYS, BatchPlan, Config
+from .config import LOADER_KEYS, BatchPlan, Config, ConfigError
 
 # One optimizer step on one rank: its micro-batches, each a list of dataset
 # indices; an empty list is a placeholder that contributes nothing.
@@ -47,11 +47,12 @@ class StepPlan:
 
     def __init__(self, num_samples: int, plan: BatchPlan, rank: int, seed: int, shuffle: bool, drop_last: bool):
         if num_samples < 1:
-            raise ValueError("the dataset is empty")
+            raise ConfigError("data._target_ returned an empty dataset: it has no sample to train on")
         if drop_last and num_samples < plan.global_batch_size:
-            raise ValueError(
+            raise ConfigError(
                 f"data.drop_last=true drops everything: the dataset has {num_samples} samples, fewer than "
-                f"batch.global_batch_size={plan.global_batch_size}"
+                f"batch.global_batch_size={plan.global_batch_size}; lower batch.global_batch_size or set "
+                "data.drop_last=false"
             )
         self.num_samples, self.plan, self.rank = num_samples, plan, rank
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last

@@ -104,6 +104,7 @@ class Parts:
 def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
     torch.manual_seed(cfg.trainer.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
     train_set = build_dataset(cfg.data)
+    step_plan = StepPlan.for_config(len(train_set), cfg, plan, env.rank)  # checks the data before the model
     eval_set = build_dataset(cfg.data, split="val") if "split" in cfg.data else None
     precision = Precision(cfg.precision, env.device)
     model = precision.prepare(instantiate(cfg.model, _convert_="all"))
@@ -113,7 +114,6 @@ def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
     optimizer = build_optimizer(weights.optimizer_params(), cfg.optim, plan.lr)
     trainer = Trainer(ddp, optimizer, precision, weights, counter, env, plan, cfg.optim, cfg.trainer,
                       cfg.batch.partial_step)
-    step_plan = StepPlan.for_config(len(train_set), cfg, plan, env.rank)
     torch.manual_seed(cfg.trainer.seed + env.rank)  # dropout and other runtime randomness per rank
     return Parts(trainer, step_plan, train_set, eval_set)
 

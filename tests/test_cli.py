@@ -22,10 +22,12 @@ BAD_CONFIGS = [
     (["batch.micro_batch_sise=4"], "micro_batch_sise"),
     (["trainer.max_steps=many"], "trainer.max_steps"),
     (["optim.lr_scaling=linear"], "optim.base_batch_size"),
+    (["optim=sgd", "optim.momentum=-0.9"], "optim.momentum"),
+    (["data.drop_last=true", "batch.global_batch_size=8192"], "data.drop_last=true drops everything"),
 ]
 
 
-@pytest.mark.parametrize("overrides,expected", BAD_CONFIGS, ids=[o[0][0] for o in BAD_CONFIGS])
+@pytest.mark.parametrize("overrides,expected", BAD_CONFIGS, ids=[o[0][-1] for o in BAD_CONFIGS])
 def test_bad_config_fails_before_training_naming_the_key(tmp_path, overrides, expected):
     run_dir = tmp_path / "run"
     proc = run_module([*overrides, f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=60)
