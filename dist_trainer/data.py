@@ -20,6 +20,7 @@ backward (synchronized BatchNorm all-reduces in both). With
 from __future__ import annotations
 
 import math
+import signal
 from typing import Any, Dict, Iterator, List
 
 import torch
@@ -27,6 +28,7 @@ from hydra.utils import instantiate
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .config import LOADER_KEYS, BatchPlan, Config, ConfigError
+from .signals import STOP_SIGNALS
 
 # One optimizer step on one rank: its micro-batches, each a list of dataset
 # indices; an empty list is a placeholder that contributes nothing.
@@ -107,8 +109,8 @@ def epoch_batches(dataset: Dataset, step_plan: StepPlan, epoch: int, start_step:
                   num_workers: int, pin_memory: bool) -> Iterator[tuple[Window, List[Any]]]:
     """Yield (window, its collated micro-batches) for each remaining step of an epoch."""
     windows = list(step_plan.windows(epoch, start_step))
-    loader = DataLoader(dataset, batch_sampler=_MicroBatchSampler(windows, 0),
-                        num_workers=num_workers, pin_memory=pin_memory, generator=_own_generator(epoch))
+    loader = DataLoader(dataset, batch_sampler=_MicroBatchSampler(windows, 0), num_workers=num_workers,
+                        pin_memory=pin_memory, generator=_own_generator(epoch), worker_init_fn=_ignore_stop_signals)
     batches = iter(loader)
     for window in windows:
         yield window, [next(batches) for _ in window]
@@ -120,7 +122,20 @@ def eval_loader(dataset: Dataset, micro_batch_size: int, max_batches: int, rank:
     count = min(len(dataset), max_batches * micro_batch_size * world_size)
     indices = list(range(rank, count, world_size))  # no padding: nothing counted twice
     batches = [indices[i:i + micro_batch_size] for i in range(0, len(indices), micro_batch_size)]
-    return DataLoader(dataset, batch_sampler=batches, num_workers=num_workers, generator=_own_generator(-1))
+    return DataLoader(dataset, batch_sampler=batches, num_workers=num_workers, generator=_own_generator(-1),
+                      worker_init_fn=_ignore_stop_signals)
+
+
+def _ignore_stop_signals(worker_id: int) -> None:
+    """DataLoader workers ignore the stop signals; the main process finishes the step and stops them.
+
+    torchrun forwards a signal to each worker's whole process group, and Slurm
+    and Kubernetes signal every process: a worker killed by SIGTERM would fail
+    the main process ("DataLoader worker exited unexpectedly") before it could
+    write its checkpoint.
+    """
+    for sig in (*STOP_SIGNALS, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _own_generator(seed: int) -> torch.Generator:

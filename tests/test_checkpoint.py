@@ -10,8 +10,10 @@ What is proved here:
   bit-identical to an uninterrupted run;
 * SIGUSR1 (preemption) on one worker: every rank stops after the same step,
   checkpoints, exits with EXIT_REQUEUE; a second start resumes and ends
-  bit-identical (and the stop should come after the step the signal arrived in:
-  it comes one step later, see the end of that test);
+  bit-identical, and the stop comes after the step the signal arrived in;
+* SIGTERM to a whole process group with DataLoader workers (as torchrun,
+  Slurm and Kubernetes send it): the workers ignore it, the main process
+  checkpoints and exits with EXIT_REQUEUE;
 * a resume on another world size keeps the global batch (accumulation
   re-derived) and matches to fp tolerance; one that cannot keep it exits 2
   naming batch.global_batch_size;
@@ -455,6 +457,24 @@ def test_sigusr1_on_one_worker_checkpoints_exits_requeue_and_resumes_bit_identic
         f"SIGUSR1 arrived during step {PREEMPT_GATE_STEP}, but the run stopped after step {stop}: run.py "
         "passes stop_requested=stop.requested to train_step when the step starts, so a signal arriving "
         "during a step only reaches the NEXT step's all-reduce (one extra step before the checkpoint and exit)")
+
+
+def test_sigterm_to_the_process_group_with_dataloader_workers_checkpoints_and_exits_requeue(tmp_path):
+    # The signal reaches the DataLoader workers too (the same process group). Had they died
+    # of it, the main process would fail with "DataLoader worker exited unexpectedly".
+    run_dir = tmp_path / "run"
+    args = TINY + ["batch.global_batch_size=8", "batch.micro_batch_size=4", "data.num_workers=2",
+                   "trainer.max_steps=1000", "trainer.ckpt_every=0", f"hydra.run.dir={run_dir}"]
+    with Job(args, tmp_path) as job:
+        wait_for(lambda: steps_done(run_dir) >= 3, job, 120, "3 steps")
+        assert len(_children(job.proc.pid)) == 2  # the two DataLoader workers, alive
+        os.killpg(job.proc.pid, signal.SIGTERM)
+        rc = job.wait(120)
+        output = job.output()
+    assert rc == EXIT_REQUEUE, output[-4000:]
+    stop = int(re.findall(r"step (\d+): stop requested by a signal; checkpoint written", output)[0])
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, stop + 1))
+    assert verify(ckpt(run_dir, stop)) is None
 
 
 # --------------------------------------------------------------------------- 4. another world size
