@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -9,6 +10,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger("dist_trainer")
 
 
 @dataclass(frozen=True)
@@ -98,21 +101,30 @@ def init(device_preference: str = "auto", timeout_s: int = 1800) -> DistEnv:
 
 
 def _torchrun_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
-    """torchrun's rendezvous store, seen through a prefix unique to this restart attempt.
+    """torchrun's rendezvous store for this restart attempt, with no keys of an earlier one.
 
-    torchrun keeps one TCP store for the whole job and hands it to every attempt.
-    After an elastic restart the keys of the failed attempt are still there, and
-    a new gloo group can read its dead peers' addresses ("Connection refused")
-    or wait forever (pytorch issues 135712, 167288). TORCHELASTIC_RESTART_COUNT
-    differs per attempt and is equal on all workers of one, so a prefix made of
-    it gives each attempt a clean namespace, with nothing for users to set.
+    By default torchrun's agent hosts one TCP store for the whole job and hands
+    it to every attempt. After an elastic restart the keys of the failed attempt
+    are still there, and a new gloo group can read its dead peers' addresses
+    ("Connection refused") or wait forever (pytorch issues 135712, 167288). A
+    prefix made of TORCHELASTIC_RESTART_COUNT gives each attempt a clean
+    namespace. That count is the same on every worker only while all of them
+    come from one agent: across nodes, an agent that restarts because another
+    node's workers failed does not count it. So multi-node launches set
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (launch/ does): then every rendezvous
+    round gets a fresh store, hosted by rank 0 on a new port, and needs no prefix.
     """
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    # With the agent's shared store (the default) the agent hosts the server;
-    # otherwise rank 0 hosts one, as torch's own env:// rendezvous does.
     agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
     store = dist.TCPStore(host, port, world, is_master=not agent_hosts and rank == 0,
                           timeout=timeout, multi_tenant=not agent_hosts)
+    if not agent_hosts:
+        return store  # new for this attempt
+    nodes = _int_env("GROUP_WORLD_SIZE", 1)
+    if nodes > 1 and _int_env("TORCHELASTIC_MAX_RESTARTS", 0) > 0 and rank == 0:
+        log.warning("%d nodes with --max-restarts and torchrun's shared store: a restart can leave nodes in "
+                    "different store namespaces and hang. Set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every "
+                    "node (launch/ does).", nodes)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"dist_trainer/attempt{attempt}", store)
 

@@ -40,16 +40,19 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 import uuid
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable, Dict, List, Optional
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from dist_trainer.checkpoint import verify
 from dist_trainer.signals import EXIT_REQUEUE
@@ -118,14 +121,15 @@ class Job:
     goes to a file, so nothing blocks while a test polls the run directory.
     """
 
-    def __init__(self, args: List[str], cwd: Path, nproc: int = 0, torchrun_args: List[str] = ()):
+    def __init__(self, args: List[str], cwd: Path, nproc: int = 0, torchrun_args: List[str] = (),
+                 standalone: bool = True, env_extra: Optional[Dict[str, str]] = None):
         self.tag = uuid.uuid4().hex
         env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
         env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1", DT_TEST_TAG=self.tag,
-                   PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS)]))
-        if nproc:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                   *torchrun_args, "-m", "dist_trainer", *args]
+                   PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS)]), **(env_extra or {}))
+        if nproc:  # standalone=False: torchrun_args carry the rendezvous (--nnodes, --rdzv_*)
+            cmd = [sys.executable, "-m", "torch.distributed.run", *(["--standalone"] if standalone else []),
+                   f"--nproc_per_node={nproc}", *torchrun_args, "-m", "dist_trainer", *args]
         else:
             cmd = [sys.executable, "-m", "dist_trainer", *args]
         self.out_path = cwd / f"job-{self.tag[:8]}.out"
@@ -415,6 +419,76 @@ def test_elastic_restart_after_a_worker_is_killed_resumes_bit_identical(jobs, fp
     assert result.returncode == 0, result.output[-4000:]
     # torchrun restarted the group; its rank 0 resumed from the newest checkpoint.
     assert resumed_from(result.output) == str(ckpt(run_dir, 4)), result.output[-4000:]
+    assert_same_metrics(run_dir, fp32_2rank.ref, STEPS)
+    assert_bit_identical(run_dir, fp32_2rank.ref)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+JOIN = """
+import torch, torch.distributed as dist
+from dist_trainer import distributed
+env = distributed.init("cpu", timeout_s=30)
+total = torch.ones(1)
+dist.all_reduce(total)
+print("joined", env.rank, total.item())
+distributed.shutdown(env)
+"""
+
+
+@pytest.mark.parametrize("agent_store", [False, True])
+def test_workers_with_different_restart_counts_join_one_group_on_a_fresh_store(tmp_path, agent_store):
+    # Across nodes each torchrun agent counts its own restarts: after one node's worker
+    # dies, its agent restarts with TORCHELASTIC_RESTART_COUNT=1 and the others (restarting
+    # for the waiting node) with 0. On a fresh store per round (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1,
+    # what launch/ sets) the workers must not split the store by that count; on the agent's
+    # shared store (one node, so the counts agree) the count keeps attempts apart.
+    port = _free_port()
+    server = (dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+              if agent_store else None)  # the agent's store
+    procs = []
+    for rank in (0, 1):
+        env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+        env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(REPO), RANK=str(rank),
+                   WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   TORCHELASTIC_USE_AGENT_STORE=str(agent_store),
+                   TORCHELASTIC_RESTART_COUNT="0" if agent_store else str(rank))
+        procs.append(subprocess.Popen([sys.executable, "-c", JOIN], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=90)[0] for p in procs]
+    del server
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "joined 0 2.0" in outs[0] and "joined 1 2.0" in outs[1], outs
+
+
+@uses("ref", "half")
+def test_elastic_restart_across_two_nodes_resumes_bit_identical(fp32_2rank, tmp_path):
+    # Two torchrun agents ("nodes") of one process each, with launch/'s
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: rank 1 is killed, both agents restart, the
+    # new group forms on a fresh store, resumes from the newest checkpoint and ends
+    # bit-identical to an uninterrupted run.
+    run_dir, gate = tmp_path / "run", tmp_path / "gate"
+    port = _free_port()
+    rdzv = ["--nnodes=2", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two-nodes",
+            "--max-restarts=2"]
+    args = (JOB2 + gated(gate, 2 * ELASTIC_GATE_STEP - 1, rank=1)
+            + [f"trainer.max_steps={STEPS}", f"hydra.run.dir={run_dir}"])
+    multi_node = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    with Job(args, tmp_path, 1, rdzv, standalone=False, env_extra=multi_node) as a, \
+            Job(args, tmp_path, 1, rdzv, standalone=False, env_extra=multi_node) as b:
+        wait_for(lambda: Path(f"{gate}.waiting").exists(), a, 120, f"rank 1 in step {ELASTIC_GATE_STEP}")
+        workers = {**a.workers(), **b.workers()}
+        assert sorted(workers) == [0, 1], workers
+        os.kill(workers[1], signal.SIGKILL)
+        gate.touch()
+        codes = a.wait(240), b.wait(240)
+        outputs = a.output() + b.output()
+    assert codes == (0, 0), outputs[-6000:]
+    assert resumed_from(outputs) == str(ckpt(run_dir, 4)), outputs[-6000:]
     assert_same_metrics(run_dir, fp32_2rank.ref, STEPS)
     assert_bit_identical(run_dir, fp32_2rank.ref)
 
