@@ -19,6 +19,7 @@ backward (synchronized BatchNorm all-reduces in both). With
 
 from __future__ import annotations
 
+import hashlib
 import math
 import signal
 from typing import Any, Dict, Iterator, List
@@ -110,7 +111,8 @@ def epoch_batches(dataset: Dataset, step_plan: StepPlan, epoch: int, start_step:
     """Yield (window, its collated micro-batches) for each remaining step of an epoch."""
     windows = list(step_plan.windows(epoch, start_step))
     loader = DataLoader(dataset, batch_sampler=_MicroBatchSampler(windows, 0), num_workers=num_workers,
-                        pin_memory=pin_memory, generator=_own_generator(epoch), worker_init_fn=_ignore_stop_signals)
+                        pin_memory=pin_memory, worker_init_fn=_ignore_stop_signals,
+                        generator=_own_generator(step_plan.seed, step_plan.rank, epoch, start_step))
     batches = iter(loader)
     for window in windows:
         yield window, [next(batches) for _ in window]
@@ -122,7 +124,7 @@ def eval_loader(dataset: Dataset, micro_batch_size: int, max_batches: int, rank:
     count = min(len(dataset), max_batches * micro_batch_size * world_size)
     indices = list(range(rank, count, world_size))  # no padding: nothing counted twice
     batches = [indices[i:i + micro_batch_size] for i in range(0, len(indices), micro_batch_size)]
-    return DataLoader(dataset, batch_sampler=batches, num_workers=num_workers, generator=_own_generator(-1),
+    return DataLoader(dataset, batch_sampler=batches, num_workers=num_workers, generator=_own_generator(-1, rank),
                       worker_init_fn=_ignore_stop_signals)
 
 
@@ -138,8 +140,23 @@ def _ignore_stop_signals(worker_id: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def _own_generator(seed: int) -> torch.Generator:
-    # A DataLoader draws its workers' base seed from this generator, or else from
-    # the global RNG: that draw would shift dropout's random stream whenever a
-    # loader starts, and a resumed run (which starts one mid-epoch) would differ.
-    return torch.Generator().manual_seed(1_000_003 + seed)
+def _own_generator(*key: int) -> torch.Generator:
+    """The generator a DataLoader draws its workers' base seed from, seeded by ``key``.
+
+    Without its own generator a DataLoader draws that seed from the global RNG,
+    which would shift dropout's random stream whenever a loader starts, and a
+    resumed run (which starts one mid-epoch) would differ. The key holds
+    trainer.seed, the rank, the epoch and the step the loader starts at, so
+    random transforms run in workers (data.num_workers > 0) differ between
+    ranks, seeds and epochs. A resumed epoch's workers start new streams: the
+    samples and their order continue exactly, random transforms in workers do
+    not (with data.num_workers=0 they run on the main process's RNG, which
+    checkpoints save and restore).
+    """
+    return torch.Generator().manual_seed(hash_key(1_000_003, *key))
+
+
+def hash_key(*values: int) -> int:
+    """A 63-bit seed from integers (stable across processes, unlike hash())."""
+    digest = hashlib.sha256(",".join(str(v) for v in values).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1

@@ -243,3 +243,33 @@ def test_a_rank_without_held_out_samples_still_joins_the_evaluation(tmp_path):
         expected = model({k: v.unsqueeze(0) for k, v in val[0].items()}).item()
     assert records[-1]["eval_loss"] == pytest.approx(expected, rel=1e-6)
     assert records[0]["eval_loss"] != pytest.approx(expected, rel=1e-3)  # the first was of another model
+
+
+class RandomTransform(torch.utils.data.Dataset):
+    """Each item is one draw of the process's RNG: a random augmentation, reduced to its essence."""
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index):
+        return torch.rand(())
+
+
+def _worker_draws(seed: int, rank: int, epoch: int = 0, start_step: int = 0) -> list:
+    from dist_trainer.config import BatchPlan
+    from dist_trainer.data import StepPlan
+
+    plan = BatchPlan(world_size=2, micro_batch_size=4, accum_steps=2, global_batch_size=16, base_lr=1.0, lr=1.0,
+                     max_steps=4)
+    step_plan = StepPlan(64, plan, rank, seed, shuffle=True, drop_last=False)
+    return [b.tolist() for _, batches in epoch_batches(RandomTransform(), step_plan, epoch, start_step, 2, False)
+            for b in batches]
+
+
+def test_random_transforms_in_loader_workers_differ_by_rank_seed_and_epoch():
+    # DataLoader workers seed their RNG from the loader's generator: keyed on the epoch
+    # alone, every rank (and every trainer.seed) would augment its samples identically.
+    base = _worker_draws(seed=0, rank=0)
+    assert base == _worker_draws(seed=0, rank=0)  # reproducible
+    for other in (_worker_draws(seed=0, rank=1), _worker_draws(seed=7, rank=0), _worker_draws(seed=0, rank=0, epoch=1)):
+        assert other != base
