@@ -100,12 +100,14 @@ def console_line(record: Dict[str, Any], max_steps: int) -> str:
 class TensorBoardWriter:
     """The same scalars as metrics.jsonl (which stays the source of truth), for TensorBoard."""
 
-    def __init__(self, log_dir: Path):
+    def __init__(self, log_dir: Path, initial: int = 0):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as err:
             raise ImportError("logger=tensorboard needs the tensorboard package: pip install tensorboard") from err
-        self.writer = SummaryWriter(str(log_dir))
+        # A resumed run writes steps after ``initial`` again: purge_step tells TensorBoard to
+        # drop what earlier event files hold from there on, as metrics.jsonl is trimmed.
+        self.writer = SummaryWriter(str(log_dir), purge_step=initial + 1 if initial else None)
 
     def write(self, record: Dict[str, Any]) -> None:
         for key, value in record.items():
@@ -158,7 +160,8 @@ class Outputs:
 
     def __init__(self, run_dir: Path, is_main: bool, logger: str, total: int, initial: int, log_every: int):
         self.jsonl = MetricsWriter(run_dir / "metrics.jsonl" if is_main else None, keep_until=initial)
-        self.tensorboard = TensorBoardWriter(run_dir / "tensorboard") if is_main and logger == "tensorboard" else None
+        self.tensorboard = (TensorBoardWriter(run_dir / "tensorboard", initial)
+                            if is_main and logger == "tensorboard" else None)
         self.progress = Progress(is_main, total, initial, log_every)
 
     def write(self, record: Dict[str, Any]) -> None:

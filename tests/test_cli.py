@@ -127,3 +127,24 @@ def test_custom_model_and_data_groups_take_only_the_users_arguments(tmp_path):
     # Without a _target_, the error names the key to set.
     missing = run_module(["model=custom", f"hydra.run.dir={tmp_path}/missing"], cwd=tmp_path, timeout=60)
     assert missing.returncode == 2 and "model._target_ must be set" in missing.stdout + missing.stderr
+
+
+def test_tensorboard_after_a_resume_shows_each_step_once(tmp_path):
+    # A run resumed from step 2 writes steps 3 and 4 again: TensorBoard must show the new
+    # values only, as metrics.jsonl (trimmed back to the checkpoint) does.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from dist_trainer.metrics import TensorBoardWriter
+
+    first = TensorBoardWriter(tmp_path)
+    for step in range(1, 5):
+        first.write({"step": step, "loss": float(step)})
+    first.close()
+    resumed = TensorBoardWriter(tmp_path, initial=2)
+    for step in (3, 4, 5):
+        resumed.write({"step": step, "loss": 10.0 * step})
+    resumed.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0),
+                                                                          (5, 50.0)]
