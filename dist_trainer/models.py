@@ -89,6 +89,8 @@ class GPT(nn.Module):
     the number of such tokens.
     """
 
+    items_are_tokens = True  # num_items counts tokens: the trainer reports tokens_per_s
+
     def __init__(
         self,
         vocab_size: int = 256,

@@ -265,8 +265,8 @@ def step_record(outcome: StepOutcome, position: Position, trainer: Trainer, step
         "samples_per_s": outcome.samples / step_time, "items_per_s": outcome.items / step_time,
         "peak_mem_mb": peak_mem_mb(env.device),
     }
-    if outcome.item_form:  # items are tokens for language models
-        record["tokens_per_s"] = record["items_per_s"]
+    if outcome.item_form and getattr(trainer.model.module, "items_are_tokens", False):
+        record["tokens_per_s"] = record["items_per_s"]  # the model says its items are tokens
     if mfu_basis is not None:
         per_item, peak = mfu_basis
         record["mfu"] = per_item * record["items_per_s"] / peak

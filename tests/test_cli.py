@@ -63,7 +63,7 @@ def test_default_job_under_torchrun_trains_and_writes_the_contract_outputs(tmp_p
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 17))
     for r in records:
-        assert CONTRACT_FIELDS <= r.keys()
+        assert CONTRACT_FIELDS <= r.keys() and r["tokens_per_s"] == r["items_per_s"]  # GPT: items are tokens
         assert r["loss_scale"] is None and r["skipped"] is False and r["allreduces"] >= 1
     assert records[-1]["samples"] == 16 * 64
     losses = [r["loss"] for r in records]
@@ -124,6 +124,7 @@ def test_custom_model_and_data_groups_take_only_the_users_arguments(tmp_path):
     assert "model helpers.RegressionMLP: 49 parameters | data dist_trainer.datasets.regression: 48 samples" in proc.stdout
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["samples"] for r in records] == [16, 32]
+    assert not any("tokens_per_s" in r for r in records)  # a regression model's items are samples
     # Without a _target_, the error names the key to set.
     missing = run_module(["model=custom", f"hydra.run.dir={tmp_path}/missing"], cwd=tmp_path, timeout=60)
     assert missing.returncode == 2 and "model._target_ must be set" in missing.stdout + missing.stderr
