@@ -104,8 +104,18 @@ def save(run_dir: Path, step: int, shared: Dict[str, Any], env: DistEnv, keep: i
     if env.is_main:
         _save_file({"format": FORMAT_VERSION, "world_size": env.world_size, **shared}, tmp / "shared.pt")
     dist.barrier()  # every rank's file is on disk before the manifest seals them
+    # The manifest names every file a resume needs, not what rank 0 happens to list:
+    # a rank's RNG file it cannot see (run dir not shared by all nodes, or a stale
+    # NFS directory cache) must stop the run, not seal a checkpoint without it.
+    files = ["shared.pt"] + [f"rng_rank{r}.pt" for r in range(env.world_size)]
+    missing = [[name for name in files if not (tmp / name).is_file()] if env.is_main else None]
+    dist.broadcast_object_list(missing, src=0)
+    if missing[0]:
+        raise CheckpointError(
+            f"checkpoint {final.name}: rank 0 cannot see {', '.join(missing[0])} in {tmp}; every rank must "
+            "write to the same run directory (set hydra.run.dir to storage all nodes share). Earlier "
+            "checkpoints are untouched.")
     if env.is_main:
-        files = sorted(p.name for p in tmp.iterdir())
         manifest = {"step": step, "world_size": env.world_size, "format": FORMAT_VERSION,
                     "files": {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
                               for name in files}}
@@ -152,8 +162,10 @@ def _read_verified(path: Path) -> tuple[Optional[str], Dict[str, Any]]:
                 return f"{name} has {file.stat().st_size} bytes, the manifest says {meta['bytes']}", {}
             if _sha256(file) != meta["sha256"]:
                 return f"{name} does not match its sha256", {}
-        if "shared.pt" not in manifest["files"]:
-            return "shared.pt is not in the manifest", {}
+        needed = ["shared.pt"] + [f"rng_rank{r}.pt" for r in range(manifest["world_size"])]
+        absent = [name for name in needed if name not in manifest["files"]]
+        if absent:
+            return f"{', '.join(absent)} not in the manifest of a {manifest['world_size']}-rank checkpoint", {}
     except (OSError, ValueError, KeyError, TypeError) as err:
         return f"unreadable manifest ({err})", {}
     loaded = {}

@@ -54,9 +54,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_trainer.checkpoint import verify
+from dist_trainer.checkpoint import list_checkpoints, verify
 from dist_trainer.signals import EXIT_REQUEUE
-from helpers import REPO
+from helpers import REPO, run_ranks
 
 TESTS = Path(__file__).resolve().parent
 
@@ -684,9 +684,12 @@ def _evil_checkpoint(path: Path, marker: Path) -> None:
     torch.save({"format": 1, "world_size": 1, "trainer": _CreatesFile(marker),
                 "loop": {"step": 2, "epoch": 0, "step_in_epoch": 2, "samples": 32},
                 "plan": {"global_batch_size": 16}}, path / "shared.pt")
-    data = (path / "shared.pt").read_bytes()
-    manifest = {"step": 2, "world_size": 1, "format": 1,
-                "files": {"shared.pt": {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}}}
+    torch.save({"torch": torch.get_rng_state()}, path / "rng_rank0.pt")  # complete but for the payload
+    files = {}
+    for name in ("shared.pt", "rng_rank0.pt"):
+        data = (path / name).read_bytes()
+        files[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    manifest = {"step": 2, "world_size": 1, "format": 1, "files": files}
     (path / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -721,3 +724,37 @@ def test_only_the_newest_checkpoints_are_kept(jobs):
         assert f"step {step}: checkpoint {ckpt(run_dir, step)}" in result.output  # all were written
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000008", "step_00000010"]
     assert verify(ckpt(run_dir, 8)) is None and verify(ckpt(run_dir, 10)) is None
+
+
+def test_a_manifest_without_every_ranks_rng_file_is_not_a_usable_checkpoint(tmp_path):
+    path = tmp_path / "step_00000002"
+    path.mkdir()
+    torch.save({"loop": {"step": 2}}, path / "shared.pt")
+    torch.save({"torch": torch.get_rng_state()}, path / "rng_rank0.pt")
+    files = {name: {"bytes": (path / name).stat().st_size,
+                    "sha256": hashlib.sha256((path / name).read_bytes()).hexdigest()}
+             for name in ("shared.pt", "rng_rank0.pt")}
+    (path / "manifest.json").write_text(json.dumps({"step": 2, "world_size": 1, "format": 1, "files": files}))
+    assert verify(path) is None
+    (path / "manifest.json").write_text(json.dumps({"step": 2, "world_size": 2, "format": 1, "files": files}))
+    assert verify(path) == "rng_rank1.pt not in the manifest of a 2-rank checkpoint"
+
+
+def _save_without_rank1_rng(rank, world_size, run_dir):
+    from dist_trainer import checkpoint, distributed
+
+    env = distributed.init("cpu")
+    if rank == 1:  # as if rank 1 wrote to a directory rank 0 does not see
+        real = checkpoint._save_file
+        checkpoint._save_file = lambda obj, path: None if path.name == "rng_rank1.pt" else real(obj, path)
+    try:
+        checkpoint.save(Path(run_dir), 2, {"loop": {"step": 2}}, env, keep=3)
+    except checkpoint.CheckpointError as err:
+        return str(err)
+    return None
+
+
+def test_a_checkpoint_missing_a_ranks_file_is_not_sealed_and_every_rank_stops(tmp_path):
+    errors = run_ranks(_save_without_rank1_rng, 2, tmp_path, str(tmp_path / "run"))
+    assert all(e and "rank 0 cannot see rng_rank1.pt" in e and "hydra.run.dir" in e for e in errors), errors
+    assert list_checkpoints(tmp_path / "run" / "checkpoints") == []  # nothing sealed
