@@ -44,7 +44,7 @@ class LossScaleConfig:
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     growth_interval: int = 2000  # good steps before the scale grows
-    hysteresis: int = 1  # overflows tolerated before backing off
+    hysteresis: int = 1  # back off on the hysteresis-th overflow since the scale last changed (1: every one)
     min_scale: float = 1.0  # backing off below this stops training
 
 

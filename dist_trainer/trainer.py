@@ -174,7 +174,10 @@ class Trainer:
         items = totals["items"]
         loss = totals["loss_sum"] / items if items > 0 else float("nan")
         divisor = self.loss_divisor  # the one this step's losses were divided by
-        if items > 0:  # the next step's: items of an average micro-batch of this one
+        # The next step's: items of an average micro-batch of this one, if it was a full
+        # step. A short last step (1 sample, say) would shrink it and make the next full
+        # step's scaled losses overflow fp16, skipping that step and halving the scale.
+        if items > 0 and totals["samples"] == self.plan.global_batch_size:
             self.loss_divisor = items / (self.env.world_size * self.plan.accum_steps)
         outcome = StepOutcome(loss, int(items), totals["samples"], lr,
                               scale if self.precision.scaler.dynamic else None, None, True,

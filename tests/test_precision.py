@@ -653,3 +653,24 @@ def test_a_step_with_no_items_is_skipped_without_touching_the_loss_scale(precisi
     some = [{**b, "use_branch": torch.arange(8) % 2 == 0} for b in none]
     outcome = trainer.train_step(some, window, 2)
     assert not outcome.skipped and outcome.items == 8 and trainer.updates == 1
+
+
+def test_a_short_last_step_does_not_make_the_next_fp16_step_overflow(tmp_path):
+    # 97 samples, global 32: every epoch ends with a step of 1 sample. The loss divisor
+    # (items of an average micro-batch) must not be taken from that step: 32x smaller,
+    # it made the next step's scaled losses overflow, skip, and halve the scale, every epoch.
+    import json
+
+    from dist_trainer.run import train
+    from helpers import regression_config
+
+    skipped, scales = {}, {}
+    for n in (96, 97):
+        cfg = regression_config(micro=8, glob=32, steps=40, precision="fp16-mixed", n=n)
+        train(cfg, tmp_path / f"n{n}")
+        records = [json.loads(line) for line in (tmp_path / f"n{n}" / "metrics.jsonl").read_text().splitlines()]
+        skipped[n] = [r["step"] for r in records if r["skipped"]]
+        scales[n] = records[-1]["loss_scale"]
+    after_short = set(range(5, 41, 4))  # n=97: steps 4, 8, ... hold 1 sample
+    assert not after_short & set(skipped[97]), skipped
+    assert scales[97] == scales[96], scales
