@@ -25,12 +25,15 @@ class AllreduceCounter:
     process_group: Optional[dist.ProcessGroup] = None
     calls: int = 0
     bytes: int = 0
+    # Bytes per gradient element that ``reduce`` sends: None, the bucket's own dtype;
+    # 4 in master modes, which all-reduce an FP32 copy of half-precision buckets.
+    sent_element_size: Optional[int] = None
 
 
 def _counting_hook(counter: AllreduceCounter, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     buffer = bucket.buffer()
     counter.calls += 1
-    counter.bytes += buffer.numel() * buffer.element_size()
+    counter.bytes += buffer.numel() * (counter.sent_element_size or buffer.element_size())
     return counter.reduce(bucket, counter.process_group)
 
 
@@ -50,9 +53,9 @@ def apply_ddp(model: nn.Module, env: DistEnv, cfg: DistConfig) -> DDP:
     )
 
 
-def count_allreduces(ddp: DDP, reduce: ReduceBucket) -> AllreduceCounter:
+def count_allreduces(ddp: DDP, reduce: ReduceBucket, sent_element_size: Optional[int] = None) -> AllreduceCounter:
     """Route DDP's gradient all-reduce through ``reduce`` and count its calls and bytes."""
-    counter = AllreduceCounter(reduce)
+    counter = AllreduceCounter(reduce, sent_element_size=sent_element_size)
     ddp.register_comm_hook(counter, _counting_hook)
     return counter
 

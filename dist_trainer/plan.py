@@ -15,31 +15,33 @@ from hydra.utils import instantiate
 
 from .config import Config, validate
 from .data import StepPlan, build_dataset
-from .precision import Precision
+from .precision import MasterWeights, ModelWeights, Precision
 
 MIB = 2**20
 FIRST_BUCKET_BYTES = 1 * MIB  # DDP's smaller first bucket when bucket_cap_mb is left to it
 DEFAULT_BUCKET_MB = 25.0
 
 
-def expected_buckets(param_bytes: List[tuple[torch.dtype, int]], bucket_cap_mb: float | None) -> List[int]:
-    """Sizes in bytes of DDP's gradient buckets, as DDP fills them.
+def expected_buckets(params: List[torch.Tensor], bucket_cap_mb: float | None) -> List[tuple[torch.dtype, int]]:
+    """(dtype, number of elements) of DDP's gradient buckets, as DDP fills them.
 
     Gradients become ready roughly in reverse order of the parameters; DDP
-    fills buckets in that order, one dtype per bucket, closing a bucket once it
-    reaches its cap (the first is capped at 1 MiB when the cap is DDP's default).
+    fills buckets in that order, one dtype per bucket (so master modes' half
+    weights and FP32 norm layers never share one), closing a bucket once its
+    bytes in that dtype reach the cap (the first is capped at 1 MiB when the
+    cap is DDP's default).
     """
     cap = (bucket_cap_mb or DEFAULT_BUCKET_MB) * MIB
     first_cap = FIRST_BUCKET_BYTES if bucket_cap_mb is None else cap
-    sizes: List[int] = []
+    closed: List[tuple[torch.dtype, int]] = []
     open_buckets: Dict[torch.dtype, int] = {}
-    for dtype, nbytes in reversed(param_bytes):
-        filled = open_buckets.get(dtype, 0) + nbytes
-        if filled >= (first_cap if not sizes else cap):
-            sizes.append(filled)
+    for p in reversed(params):
+        filled = open_buckets.get(p.dtype, 0) + p.numel()
+        if filled * p.element_size() >= (first_cap if not closed else cap):
+            closed.append((p.dtype, filled))
             filled = 0
-        open_buckets[dtype] = filled
-    return sizes + [b for b in open_buckets.values() if b > 0]
+        open_buckets[p.dtype] = filled
+    return closed + [(dtype, n) for dtype, n in open_buckets.items() if n > 0]
 
 
 def plan_report(cfg: Config, world_size: int) -> str:
@@ -51,11 +53,9 @@ def plan_report(cfg: Config, world_size: int) -> str:
         model = precision.prepare(instantiate(cfg.model, _convert_="all"))
     params = [p for p in model.parameters() if p.requires_grad]
     count = sum(p.numel() for p in params)
-    if precision.param_dtype is not None:  # master modes all-reduce the FP32 window sum
-        grad_bytes = [(torch.float32, p.numel() * 4) for p in params]
-    else:
-        grad_bytes = [(p.dtype, p.numel() * p.element_size()) for p in params]
-    buckets = expected_buckets(grad_bytes, cfg.dist.bucket_cap_mb)
+    buckets = expected_buckets(params, cfg.dist.bucket_cap_mb)
+    sent = (MasterWeights if precision.param_dtype is not None else ModelWeights).sent_element_size  # FP32 copies
+    bucket_bytes = [n * (sent or torch.empty((), dtype=dtype).element_size()) for dtype, n in buckets]
     stats_bytes = (5 + world_size) * 8  # the step's one float64 all-reduce of totals and flags
     epochs = plan.max_steps / step_plan.steps_per_epoch
     return "\n".join([
@@ -66,7 +66,8 @@ def plan_report(cfg: Config, world_size: int) -> str:
         + (f", optim.base_batch_size={cfg.optim.base_batch_size})" if cfg.optim.lr_scaling != "none" else ")"),
         f"  model {count:,} trainable parameters, precision {cfg.precision.name}",
         f"  gradient all-reduces per optimizer step: {len(buckets)} (DDP buckets, expected), "
-        f"{sum(buckets) / MIB:.2f} MiB ({sum(buckets)} bytes); without no_sync it would be {len(buckets) * plan.accum_steps}",
+        f"{sum(bucket_bytes) / MIB:.2f} MiB ({sum(bucket_bytes)} bytes); without no_sync it would be "
+        f"{len(buckets) * plan.accum_steps}",
         f"  plus 1 all-reduce of {stats_bytes} bytes (loss, item count, skip and stop flags)",
         f"  dataset {len(dataset):,} samples: {step_plan.steps_per_epoch} optimizer steps per epoch "
         f"(data.drop_last={cfg.data.get('drop_last', False)}); {plan.max_steps} steps = {epochs:.2f} epochs "

@@ -112,6 +112,8 @@ class DynamicLossScaler:
 class ModelWeights:
     """fp32 and *-mixed modes: the optimizer steps the model's own FP32 parameters."""
 
+    sent_element_size = None  # DDP's all-reduce sends the buckets as they are
+
     def __init__(self, model: nn.Module):
         self.params = [p for p in model.parameters() if p.requires_grad]
 
@@ -155,6 +157,8 @@ class MasterWeights:
     micro-batch's ``.grad`` would silently drop the other micro-batches' share
     of the other ranks and desynchronise them.
     """
+
+    sent_element_size = 4  # the FP32 window sum is what goes on the wire
 
     def __init__(self, model: nn.Module):
         self.params = [p for p in model.parameters() if p.requires_grad]

@@ -110,7 +110,7 @@ def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
     model = precision.prepare(instantiate(cfg.model, _convert_="all"))
     ddp = apply_ddp(model, env, cfg.dist)
     weights = precision.weights(ddp.module)
-    counter = count_allreduces(ddp, weights.reduce_bucket)
+    counter = count_allreduces(ddp, weights.reduce_bucket, weights.sent_element_size)
     optimizer = build_optimizer(weights.optimizer_params(), cfg.optim, plan.lr)
     trainer = Trainer(ddp, optimizer, precision, weights, counter, env, plan, cfg.optim, cfg.trainer,
                       cfg.batch.partial_step)

@@ -149,3 +149,21 @@ def test_tensorboard_after_a_resume_shows_each_step_once(tmp_path):
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0),
                                                                           (5, 50.0)]
+
+
+def test_plan_mode_predicts_a_master_mode_runs_allreduces_and_bytes(tmp_path):
+    # bf16-master: DDP buckets the bf16 weights and the FP32 LayerNorms apart (one dtype
+    # per bucket), and the hook sends an FP32 copy of each bucket (4 bytes per element).
+    common = ["precision=bf16-master", "batch.global_batch_size=16", "model.n_layer=1"]
+    proc = run_module([*common, "trainer.max_steps=3", f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    steady = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][-1]
+    params = torch.load(tmp_path / "run" / "final_model.pt", weights_only=True)
+    elements = sum(t.numel() for name, t in params.items() if name != "head.weight")  # tied to tok_emb.weight
+    assert steady["allreduce_bytes"] == 4 * elements  # every gradient element once, in FP32
+    plan = run_module([*common, "plan.only=true", "plan.world_size=1", f"hydra.run.dir={tmp_path}/plan"], cwd=tmp_path)
+    assert plan.returncode == 0, plan.stdout + plan.stderr
+    assert (f"gradient all-reduces per optimizer step: {steady['allreduces']} (DDP buckets, expected)"
+            in plan.stdout), (plan.stdout, steady)
+    assert f"({steady['allreduce_bytes']} bytes)" in plan.stdout
+    assert steady["allreduces"] >= 2  # half and FP32 buckets apart
