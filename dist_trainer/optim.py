@@ -31,7 +31,8 @@ def lr_at(update: int, peak_lr: float, cfg: OptimConfig, total_updates: int) -> 
         return peak_lr * (update + 1) / cfg.warmup_steps
     if cfg.schedule == "constant":
         return peak_lr
-    decay_updates = max(total_updates - cfg.warmup_steps, 1)
+    # The last update a run makes is number total_updates - 1: it gets the floor.
+    decay_updates = max(total_updates - 1 - cfg.warmup_steps, 1)
     progress = min((update - cfg.warmup_steps) / decay_updates, 1.0)
     floor = peak_lr * cfg.min_lr_ratio
     return floor + (peak_lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))

@@ -430,14 +430,15 @@ def test_linear_warmup_reaches_peak_at_last_warmup_update_then_constant():
     assert diffs == pytest.approx([0.5] * 3)  # linear
 
 
-def test_cosine_decays_to_floor_at_total_updates_and_stays():
+def test_cosine_decays_to_floor_at_the_last_update_and_stays():
     cfg = OptimConfig(warmup_steps=4, schedule="cosine", min_lr_ratio=0.1)
-    peak, total = 1.0, 20
+    peak, total = 1.0, 21  # updates 0..20: 4 of warmup, then 16 decay intervals
     assert lr_at(3, peak, cfg, total) == pytest.approx(1.0)  # end of warmup
     assert lr_at(4, peak, cfg, total) == pytest.approx(1.0)  # decay starts at the peak
     assert lr_at(12, peak, cfg, total) == pytest.approx(0.1 + 0.9 * 0.5)  # halfway
     assert lr_at(8, peak, cfg, total) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4)))
-    assert lr_at(20, peak, cfg, total) == pytest.approx(0.1)
+    assert lr_at(19, peak, cfg, total) > 0.1 + 1e-4
+    assert lr_at(total - 1, peak, cfg, total) == pytest.approx(0.1)  # the run's last update
     assert lr_at(21, peak, cfg, total) == pytest.approx(0.1)
     assert lr_at(1000, peak, cfg, total) == pytest.approx(0.1)
     lrs = [lr_at(u, peak, cfg, total) for u in range(3, 25)]
@@ -447,9 +448,9 @@ def test_cosine_decays_to_floor_at_total_updates_and_stays():
 
 def test_cosine_without_warmup_starts_at_peak():
     cfg = OptimConfig(warmup_steps=0, schedule="cosine", min_lr_ratio=0.0)
-    assert lr_at(0, 3e-4, cfg, 10) == pytest.approx(3e-4)
-    assert lr_at(5, 3e-4, cfg, 10) == pytest.approx(1.5e-4)
-    assert lr_at(10, 3e-4, cfg, 10) == pytest.approx(0.0, abs=1e-18)
+    assert lr_at(0, 3e-4, cfg, 11) == pytest.approx(3e-4)
+    assert lr_at(5, 3e-4, cfg, 11) == pytest.approx(1.5e-4)
+    assert lr_at(10, 3e-4, cfg, 11) == pytest.approx(0.0, abs=1e-18)
 
 
 @pytest.mark.parametrize("scaling, factor", [("none", 1.0), ("linear", 4.0), ("sqrt", 2.0)])
