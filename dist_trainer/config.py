@@ -162,18 +162,25 @@ def derive_batch(batch: BatchConfig, world_size: int) -> tuple[int, int]:
     _check(glob >= 1, "batch.global_batch_size", glob, "must be >= 1")
     per_rank, rest = divmod(glob, micro * world_size)
     if rest or per_rank == 0:
-        micros = [m for m in _divisors(glob // world_size) if glob % (m * world_size) == 0]
-        lower = max(glob // (micro * world_size), 1) * micro * world_size
+        # Suggestions that pass this check as they stand: with batch.accum_steps set,
+        # micro x world x accum must make the global batch.
+        accum = batch.accum_steps or 1
+        micros = [m for m in _divisors(glob) if glob % (m * world_size * accum) == 0
+                  and (batch.accum_steps is None or glob // (m * world_size) == accum)]
+        step = micro * world_size * accum
+        lower = max(glob // step, 1) * step
         hint = (
             f"batch.micro_batch_size in {micros[-6:]} would divide it"
             if micros
             else f"no micro batch divides it over {world_size} ranks"
+            + (f" in batch.accum_steps={accum}" if batch.accum_steps is not None else "")
         )
+        other_global = (f"batch.global_batch_size to a multiple of {step} (e.g. {lower} or {lower + step})"
+                        if batch.accum_steps is None else
+                        f"batch.global_batch_size={step} (micro x world x batch.accum_steps), or drop batch.accum_steps")
         raise ConfigError(
             f"batch.global_batch_size={glob} is not batch.micro_batch_size={micro} x "
-            f"world size {world_size} x batch.accum_steps: {hint}; or set "
-            f"batch.global_batch_size to a multiple of {micro * world_size} "
-            f"(e.g. {lower} or {lower + micro * world_size})"
+            f"world size {world_size} x batch.accum_steps: {hint}; or set {other_global}"
         )
     if batch.accum_steps is not None and batch.accum_steps != per_rank:
         raise ConfigError(
@@ -260,7 +267,10 @@ def validate(cfg: Config, world_size: int) -> BatchPlan:
         # forward a collective, and a rank out of memory would leave the others in it.
         _check(not cfg.dist.sync_batchnorm, "batch.micro_batch_size", "auto",
                "cannot be used with dist.sync_batchnorm=true: set an integer batch.micro_batch_size")
-        batch = BatchConfig(micro_batch_size=1, global_batch_size=batch.global_batch_size)
+        glob = batch.global_batch_size
+        _check(glob >= world_size and glob % world_size == 0, "batch.global_batch_size", glob,
+               f"must be a positive multiple of the world size {world_size} with batch.micro_batch_size=auto")
+        batch = BatchConfig(micro_batch_size=1, global_batch_size=glob)  # provisional, until the finder runs
     accum, glob = derive_batch(batch, world_size)
     return BatchPlan(
         world_size=world_size,

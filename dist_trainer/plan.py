@@ -58,16 +58,19 @@ def plan_report(cfg: Config, world_size: int) -> str:
     bucket_bytes = [n * (sent or torch.empty((), dtype=dtype).element_size()) for dtype, n in buckets]
     stats_bytes = (5 + world_size) * 8  # the step's one float64 all-reduce of totals and flags
     epochs = plan.max_steps / step_plan.steps_per_epoch
+    auto = cfg.batch.micro_batch_size == "auto"
+    split = (f"  micro batch auto (the largest that fits, chosen on the GPU at start-up) x accum steps "
+             f"{plan.global_batch_size // world_size} / micro x world {world_size}"
+             if auto else f"  micro batch {plan.micro_batch_size} x accum steps {plan.accum_steps} x world {world_size}")
+    no_sync = ("accum steps times that" if auto else f"{len(buckets) * plan.accum_steps}")
     return "\n".join([
         f"plan for world size {world_size} (no process group, nothing trained)",
-        f"  micro batch {plan.micro_batch_size} x accum steps {plan.accum_steps} x world {world_size} "
-        f"= global batch {plan.global_batch_size} samples per optimizer step",
+        f"{split} = global batch {plan.global_batch_size} samples per optimizer step",
         f"  lr {plan.base_lr:g} -> {plan.lr:g} (optim.lr_scaling={cfg.optim.lr_scaling}"
         + (f", optim.base_batch_size={cfg.optim.base_batch_size})" if cfg.optim.lr_scaling != "none" else ")"),
         f"  model {count:,} trainable parameters, precision {cfg.precision.name}",
         f"  gradient all-reduces per optimizer step: {len(buckets)} (DDP buckets, expected), "
-        f"{sum(bucket_bytes) / MIB:.2f} MiB ({sum(bucket_bytes)} bytes); without no_sync it would be "
-        f"{len(buckets) * plan.accum_steps}",
+        f"{sum(bucket_bytes) / MIB:.2f} MiB ({sum(bucket_bytes)} bytes); without no_sync it would be {no_sync}",
         f"  plus 1 all-reduce of {stats_bytes} bytes (loss, item count, skip and stop flags)",
         f"  dataset {len(dataset):,} samples: {step_plan.steps_per_epoch} optimizer steps per epoch "
         f"(data.drop_last={cfg.data.get('drop_last', False)}); {plan.max_steps} steps = {epochs:.2f} epochs "

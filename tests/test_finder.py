@@ -85,3 +85,17 @@ def test_auto_with_sync_batchnorm_is_refused_before_training(tmp_path):
                        f"hydra.run.dir={tmp_path}"], cwd=tmp_path, timeout=60)
     assert proc.returncode == 2
     assert "batch.micro_batch_size='auto': cannot be used with dist.sync_batchnorm=true" in proc.stdout + proc.stderr
+
+
+def test_plan_mode_with_auto_does_not_present_the_provisional_micro_batch(tmp_path):
+    plan = run_module(["plan.only=true", "plan.world_size=8", "batch.micro_batch_size=auto",
+                       "batch.global_batch_size=512", f"hydra.run.dir={tmp_path}/a"], cwd=tmp_path, timeout=60)
+    assert plan.returncode == 0, plan.stdout + plan.stderr
+    assert "micro batch auto (the largest that fits, chosen on the GPU at start-up)" in plan.stdout
+    assert "micro batch 1 x" not in plan.stdout and "accum steps 64 x" not in plan.stdout
+    # A global batch the ranks cannot share is named as such, not as a micro batch the user never set.
+    bad = run_module(["plan.only=true", "plan.world_size=8", "batch.micro_batch_size=auto",
+                      "batch.global_batch_size=100", f"hydra.run.dir={tmp_path}/b"], cwd=tmp_path, timeout=60)
+    assert bad.returncode == 2
+    assert "batch.global_batch_size=100: must be a positive multiple of the world size 8" in bad.stdout + bad.stderr
+    assert "batch.micro_batch_size=1" not in bad.stdout + bad.stderr

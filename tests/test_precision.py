@@ -497,10 +497,12 @@ def test_contradictory_accum_names_the_key():
         validate(_config(micro_batch_size=16, global_batch_size=256, accum_steps=4), 2)
 
 
-@pytest.mark.parametrize("glob, micro, world", [(100, 16, 2), (96, 10, 4), (250, 16, 1), (16, 16, 2)])
-def test_impossible_split_names_keys_and_suggestions_work(glob, micro, world):
+@pytest.mark.parametrize("glob, micro, world, accum",
+                         [(100, 16, 2, None), (96, 10, 4, None), (250, 16, 1, None), (16, 16, 2, None), (120, 16, 2, 3)])
+def test_impossible_split_names_keys_and_suggestions_work(glob, micro, world, accum):
+    # Every suggestion must pass as it stands, with the batch.accum_steps the user set.
     with pytest.raises(ConfigError) as info:
-        derive_batch(BatchConfig(micro_batch_size=micro, global_batch_size=glob), world)
+        derive_batch(BatchConfig(micro_batch_size=micro, global_batch_size=glob, accum_steps=accum), world)
     msg = str(info.value)
     assert f"batch.global_batch_size={glob}" in msg
     assert f"batch.micro_batch_size={micro}" in msg
@@ -510,13 +512,14 @@ def test_impossible_split_names_keys_and_suggestions_work(glob, micro, world):
     assert micros and micro not in micros
     for m in micros:  # every suggestion really works
         assert glob % (m * world) == 0, (m, msg)
-        accum, g = derive_batch(BatchConfig(micro_batch_size=m, global_batch_size=glob), world)
-        assert m * accum * world == g == glob
-    alt = re.search(r"e\.g\. (\d+) or (\d+)", msg)
+        got_accum, g = derive_batch(BatchConfig(micro_batch_size=m, global_batch_size=glob, accum_steps=accum), world)
+        assert m * got_accum * world == g == glob
+    alt = (re.search(r"e\.g\. (\d+) or (\d+)", msg) if accum is None else
+           re.search(r"batch\.global_batch_size=(\d+) \(micro x world x batch\.accum_steps\)", msg))
     assert alt, msg
     for g in map(int, alt.groups()):  # the suggested global batches work with the given micro
         assert g % (micro * world) == 0 and g > 0
-        derive_batch(BatchConfig(micro_batch_size=micro, global_batch_size=g), world)
+        derive_batch(BatchConfig(micro_batch_size=micro, global_batch_size=g, accum_steps=accum), world)
 
 
 def test_impossible_split_with_no_divisor_says_so():
