@@ -259,6 +259,7 @@ def step_record(outcome: StepOutcome, position: Position, trainer: Trainer, step
     record = {
         "step": position.step, "epoch": position.epoch, "loss": outcome.loss, "lr": outcome.lr,
         "grad_norm": outcome.grad_norm, "loss_scale": outcome.loss_scale, "skipped": outcome.skipped,
+        "skip_reason": outcome.skip_reason,
         "skipped_total": trainer.skipped_total, "updates": trainer.updates, "samples": position.samples,
         "items": outcome.items, "allreduces": outcome.allreduces, "allreduce_bytes": outcome.allreduce_bytes,
         "step_time_s": step_time, "data_time_s": data_time, "compute_time_s": step_time - data_time,

@@ -55,6 +55,7 @@ class StepOutcome:
     stop_requested: bool  # some rank was asked to stop (SIGTERM/SIGUSR1): all ranks stop after this step
     allreduces: int  # gradient all-reduce calls issued by DDP in this step
     allreduce_bytes: int
+    skip_reason: Optional[str] = None  # "nonfinite" (an overflow in fp16) or "no_items"; None if applied
 
 
 def _leading_dim(batch: Any) -> int:
@@ -184,10 +185,12 @@ class Trainer:
                               self.item_form, totals["stop"], 0, 0)
         if totals["nonfinite"]:
             self.skipped_total += 1
+            outcome.skip_reason = "nonfinite"
             self._skip(totals, step)
             return outcome
         if items <= 0:  # e.g. every target of the step ignored: nothing to average, nothing overflowed
             self.skipped_total += 1
+            outcome.skip_reason = "no_items"
             self.weights.zero_grad()
             log.warning("step %d holds no items to learn from (every target ignored?); nothing was updated", step)
             return outcome

@@ -64,7 +64,7 @@ def test_default_job_under_torchrun_trains_and_writes_the_contract_outputs(tmp_p
     assert [r["step"] for r in records] == list(range(1, 17))
     for r in records:
         assert CONTRACT_FIELDS <= r.keys() and r["tokens_per_s"] == r["items_per_s"]  # GPT: items are tokens
-        assert r["loss_scale"] is None and r["skipped"] is False and r["allreduces"] >= 1
+        assert r["loss_scale"] is None and r["skipped"] is False and r["skip_reason"] is None and r["allreduces"] >= 1
     assert records[-1]["samples"] == 16 * 64
     losses = [r["loss"] for r in records]
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses  # byte-level loss starts near ln 256

@@ -649,7 +649,7 @@ def test_a_step_with_no_items_is_skipped_without_touching_the_loss_scale(precisi
     scale = trainer.precision.scaler.scale
     none = [{"x": x[ix], "y": y[ix], "use_branch": torch.zeros(8, dtype=torch.bool)} for ix in window]
     outcome = trainer.train_step(none, window, 1)
-    assert outcome.skipped and outcome.items == 0 and outcome.samples == 16
+    assert outcome.skipped and outcome.skip_reason == "no_items" and outcome.items == 0 and outcome.samples == 16
     assert trainer.skipped_total == 1 and trainer.consecutive_skips == 0 and trainer.updates == 0
     assert trainer.precision.scaler.scale == scale
     assert all(torch.equal(before[k], p.detach()) for k, p in model.named_parameters())

@@ -172,6 +172,7 @@ def test_fp16_nonfinite_gradient_on_one_rank_skips_the_step_on_all_ranks(tmp_pat
     for r in results:
         skipped = [o.skipped for o in r["outcomes"]]
         assert skipped == [False, True, False]
+        assert [o.skip_reason for o in r["outcomes"]] == [None, "nonfinite", None]
         p1, p2, p3 = r["params"]
         assert all(torch.equal(a, b) for a, b in zip(p1, p2))  # step 2 changed nothing
         assert not all(torch.equal(a, b) for a, b in zip(p2, p3))
