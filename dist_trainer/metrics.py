@@ -86,7 +86,7 @@ def console_line(record: Dict[str, Any], max_steps: int) -> str:
         f"lr {record['lr']:.3e}",
         f"grad_norm {record['grad_norm']:.3f}" if record.get("grad_norm") is not None else "grad_norm -",
         f"scale {scale:g}" if scale is not None else None,
-        f"SKIPPED ({record.get('skip_reason') or 'nonfinite'})" if record["skipped"] else None,
+        f"SKIPPED ({record['skip_reason']})" if record["skipped"] else None,
         f"{record['samples_per_s']:.1f} samples/s",
         f"{record['tokens_per_s']:.0f} tokens/s" if "tokens_per_s" in record else None,
         f"MFU {record['mfu'] * 100:.1f}%" if record.get("mfu") is not None else None,

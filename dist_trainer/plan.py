@@ -15,7 +15,7 @@ from hydra.utils import instantiate
 
 from .config import Config, validate
 from .data import StepPlan, build_dataset
-from .precision import MasterWeights, ModelWeights, Precision
+from .precision import Precision
 
 MIB = 2**20
 FIRST_BUCKET_BYTES = 1 * MIB  # DDP's smaller first bucket when bucket_cap_mb is left to it
@@ -54,8 +54,8 @@ def plan_report(cfg: Config, world_size: int) -> str:
     params = [p for p in model.parameters() if p.requires_grad]
     count = sum(p.numel() for p in params)
     buckets = expected_buckets(params, cfg.dist.bucket_cap_mb)
-    sent = (MasterWeights if precision.param_dtype is not None else ModelWeights).sent_element_size  # FP32 copies
-    bucket_bytes = [n * (sent or torch.empty((), dtype=dtype).element_size()) for dtype, n in buckets]
+    sent = precision.weights_type.sent_element_size  # master modes send FP32 copies of half buckets
+    bucket_bytes = [n * (sent or dtype.itemsize) for dtype, n in buckets]
     stats_bytes = (5 + world_size) * 8  # the step's one float64 all-reduce of totals and flags
     epochs = plan.max_steps / step_plan.steps_per_epoch
     auto = cfg.batch.micro_batch_size == "auto"

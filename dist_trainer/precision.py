@@ -237,6 +237,8 @@ class Precision:
         self.device_type = device.type
         self.autocast_dtype = AUTOCAST_DTYPES[cfg.name]
         self.param_dtype = self.autocast_dtype if cfg.name.endswith("-master") else None
+        # Where the optimizer's FP32 weights live (and what the gradient all-reduce sends).
+        self.weights_type = MasterWeights if self.param_dtype is not None else ModelWeights
         self.scaler = DynamicLossScaler(cfg.loss_scale) if cfg.name.startswith("fp16") else ConstantScaler()
         self.debug_overflow = cfg.debug_overflow
 
@@ -255,4 +257,4 @@ class Precision:
         return model
 
     def weights(self, model: nn.Module) -> "ModelWeights | MasterWeights":
-        return MasterWeights(model) if self.param_dtype is not None else ModelWeights(model)
+        return self.weights_type(model)
