@@ -44,6 +44,15 @@ def checkpoint_dir(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 
 
+def _rng_file(rank: int) -> str:
+    return f"rng_rank{rank}.pt"
+
+
+def _needed_files(world_size: int) -> List[str]:
+    """Every file a checkpoint of ``world_size`` ranks must hold for a resume."""
+    return ["shared.pt"] + [_rng_file(r) for r in range(world_size)]
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -100,14 +109,14 @@ def save(run_dir: Path, step: int, shared: Dict[str, Any], env: DistEnv, keep: i
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    _save_file(capture_rng(env.device), tmp / f"rng_rank{env.rank}.pt")
+    _save_file(capture_rng(env.device), tmp / _rng_file(env.rank))
     if env.is_main:
         _save_file({"format": FORMAT_VERSION, "world_size": env.world_size, **shared}, tmp / "shared.pt")
     dist.barrier()  # every rank's file is on disk before the manifest seals them
     # The manifest names every file a resume needs, not what rank 0 happens to list:
     # a rank's RNG file it cannot see (run dir not shared by all nodes, or a stale
     # NFS directory cache) must stop the run, not seal a checkpoint without it.
-    files = ["shared.pt"] + [f"rng_rank{r}.pt" for r in range(env.world_size)]
+    files = _needed_files(env.world_size)
     missing = [[name for name in files if not (tmp / name).is_file()] if env.is_main else None]
     dist.broadcast_object_list(missing, src=0)
     if missing[0]:
@@ -162,8 +171,7 @@ def _read_verified(path: Path) -> tuple[Optional[str], Dict[str, Any]]:
                 return f"{name} has {file.stat().st_size} bytes, the manifest says {meta['bytes']}", {}
             if _sha256(file) != meta["sha256"]:
                 return f"{name} does not match its sha256", {}
-        needed = ["shared.pt"] + [f"rng_rank{r}.pt" for r in range(manifest["world_size"])]
-        absent = [name for name in needed if name not in manifest["files"]]
+        absent = [name for name in _needed_files(manifest["world_size"]) if name not in manifest["files"]]
         if absent:
             return f"{', '.join(absent)} not in the manifest of a {manifest['world_size']}-rank checkpoint", {}
     except (OSError, ValueError, KeyError, TypeError) as err:
@@ -217,7 +225,7 @@ def load_latest(run_dir: Path, env: DistEnv) -> Optional[Tuple[Dict[str, Any], O
     path = Path(choice[0])
     shared = loaded["shared.pt"] if "shared.pt" in loaded else torch.load(path / "shared.pt", map_location="cpu",
                                                                       weights_only=True)
-    rng_name = f"rng_rank{env.rank}.pt"
+    rng_name = _rng_file(env.rank)
     rng = loaded.get(rng_name)
     if rng is None and (path / rng_name).exists():
         rng = torch.load(path / rng_name, map_location="cpu", weights_only=True)
