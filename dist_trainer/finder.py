@@ -6,8 +6,8 @@ all-reduce), with ballast the size of the optimizer state that training will
 hold. After each trial one MIN all-reduce of "it fitted" makes every rank take
 the same branch of the search, so all ranks pick the same size. A trial leaves
 no trace: the module's buffers (BatchNorm's running statistics) and the RNG
-streams (dropout) are put back as they were, so training starts exactly as it
-would have with that micro-batch size given explicitly.
+streams (dropout, random transforms) are put back as they were, so training
+starts exactly as it would have with that micro-batch size given explicitly.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset, default_collate
+
+from .checkpoint import capture_rng, restore_rng
 
 log = logging.getLogger("dist_trainer")
 
@@ -70,8 +72,7 @@ def model_trial(model: nn.Module, dataset: Dataset, autocast: Callable, optimize
 
     def trial(size: int) -> None:
         buffers = [b.detach().clone() for b in model.buffers()]
-        rng = torch.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        rng = capture_rng(device)  # python, numpy and torch: the dataset's transforms draw too
         try:
             ballast = [torch.empty_like(p) for p in optimizer_params for _ in range(states_per_param)]
             batch = default_collate([dataset[i % len(dataset)] for i in range(size)])
@@ -87,9 +88,7 @@ def model_trial(model: nn.Module, dataset: Dataset, autocast: Callable, optimize
             with torch.no_grad():
                 for b, saved in zip(model.buffers(), buffers):
                     b.copy_(saved)
-            torch.set_rng_state(rng)
-            if cuda_rng is not None:
-                torch.cuda.set_rng_state(cuda_rng, device)
+            restore_rng(rng, device)
 
     return trial
 
