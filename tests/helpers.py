@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -58,6 +59,13 @@ def regression_config(micro: int, accum: int | None = None, glob: int | None = N
         trainer=TrainerConfig(max_steps=steps, log_every=1, eval_every=0),
         dist=DistConfig(),
     )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_module(args: List[str], cwd: Path, timeout: float = 240, torchrun_nproc: int = 0) -> subprocess.CompletedProcess:

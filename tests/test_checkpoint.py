@@ -40,7 +40,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -56,7 +55,7 @@ import torch.distributed as dist
 
 from dist_trainer.checkpoint import list_checkpoints, verify
 from dist_trainer.signals import EXIT_REQUEUE
-from helpers import REPO, run_ranks
+from helpers import REPO, free_port, run_ranks
 
 TESTS = Path(__file__).resolve().parent
 
@@ -423,12 +422,6 @@ def test_elastic_restart_after_a_worker_is_killed_resumes_bit_identical(jobs, fp
     assert_bit_identical(run_dir, fp32_2rank.ref)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 JOIN = """
 import torch, torch.distributed as dist
 from dist_trainer import distributed
@@ -447,7 +440,7 @@ def test_workers_with_different_restart_counts_join_one_group_on_a_fresh_store(t
     # for the waiting node) with 0. On a fresh store per round (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1,
     # what launch/ sets) the workers must not split the store by that count; on the agent's
     # shared store (one node, so the counts agree) the count keeps attempts apart.
-    port = _free_port()
+    port = free_port()
     server = (dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
               if agent_store else None)  # the agent's store
     procs = []
@@ -472,7 +465,7 @@ def test_elastic_restart_across_two_nodes_resumes_bit_identical(fp32_2rank, tmp_
     # new group forms on a fresh store, resumes from the newest checkpoint and ends
     # bit-identical to an uninterrupted run.
     run_dir, gate = tmp_path / "run", tmp_path / "gate"
-    port = _free_port()
+    port = free_port()
     rdzv = ["--nnodes=2", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two-nodes",
             "--max-restarts=2"]
     args = (JOB2 + gated(gate, 2 * ELASTIC_GATE_STEP - 1, rank=1)

@@ -13,7 +13,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,8 @@ from typing import Dict, List
 
 import pytest
 import yaml
+
+from helpers import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "docker" / "Dockerfile"
@@ -52,12 +53,6 @@ def _test_extra_module(module: str, package: str):
         return __import__(module)
     except ImportError:
         pytest.fail(f"`{package}` is not installed: it comes with the test extra (pip install -e '.[test]')")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env(**extra: str) -> Dict[str, str]:
@@ -360,7 +355,7 @@ def slurm(tmp_path):
         (bin_dir / name).chmod(0o755)
     env = _env(SLURM_JOB_ID="4242", SLURM_JOB_NAME="dist_trainer", SLURM_NNODES="2",
                SLURM_JOB_NODELIST="node[01-02]", SLURM_SUBMIT_DIR=str(tmp_path), SLURM_CPUS_PER_TASK="1",
-               GPUS_PER_NODE="1", RDZV_PORT=str(_free_port()), MAX_RESTARTS="0",
+               GPUS_PER_NODE="1", RDZV_PORT=str(free_port()), MAX_RESTARTS="0",
                SHIM_LOG=str(log_dir))
     env["PATH"] = os.pathsep.join([str(bin_dir), env["PATH"]])
     yield env, log_dir
@@ -505,11 +500,11 @@ def test_sbatch_preempted_job_is_requeued_and_resumes_bit_identically(slurm, spa
     # 2. The requeued job: same id (so the same run directory and rendezvous id), restart count 1; and,
     # alongside it to save time, 3. the same job never interrupted, under another job id and run directory.
     requeued = spawn(["bash", str(SBATCH), *PREEMPTIBLE], cwd=tmp_path,
-                     env=dict(env, SLURM_RESTART_COUNT="1", RDZV_PORT=str(_free_port())))
+                     env=dict(env, SLURM_RESTART_COUNT="1", RDZV_PORT=str(free_port())))
     ref_dir, ref_log = tmp_path / "runs" / "4343", tmp_path / "shim-log-ref"
     ref_log.mkdir()
     reference = spawn(["bash", str(SBATCH), *PREEMPTIBLE], cwd=tmp_path,
-                      env=dict(env, SLURM_JOB_ID="4343", RDZV_PORT=str(_free_port()), SHIM_LOG=str(ref_log)))
+                      env=dict(env, SLURM_JOB_ID="4343", RDZV_PORT=str(free_port()), SHIM_LOG=str(ref_log)))
     out2, out3 = _finish(requeued, 150), _finish(reference, 150)
     assert requeued.returncode == 0, out2
     assert "job 4242 (restart 1)" in out2, out2
@@ -625,7 +620,7 @@ def test_kubernetes_env_contract_forms_a_two_node_world(spawn, tmp_path):
     """Two plain `torchrun -m dist_trainer` agents, configured only by the Job's PET_* variables."""
     job, _, trainer = _job()
     assert trainer["command"][-1] == "torchrun"
-    port = _free_port()
+    port = free_port()
     procs = []
     for index in (0, 1):
         env = _resolve_env(trainer["env"], _pod_metadata(job, index))
