@@ -556,6 +556,16 @@ def _one_rank_trainer(precision: str, model: str = "helpers.RegressionMLP"):
     return build(cfg, plan, env).trainer
 
 
+def _reference_step(model, batches, window):
+    """Parameters before the step and the exact gradient of the step's sample mean."""
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    ref_model = type(model)(4, 16)
+    ref_model.load_state_dict(model.state_dict())
+    total = sum(ref_model(b) * len(ix) for b, ix in zip(batches, window)) / sum(len(ix) for ix in window)
+    grads = torch.autograd.grad(total, list(ref_model.parameters()))
+    return before, dict(zip([k for k, _ in ref_model.named_parameters()], grads))
+
+
 @pytest.mark.parametrize("precision, rtol", [("fp32", 1e-5), ("fp16-mixed", 2e-2)])
 def test_step_update_is_exact_mean_gradient_also_for_a_smaller_last_step(precision, rtol):
     """SGD(lr=1) update == -(gradient of the summed loss / number of samples in the step).
@@ -575,12 +585,7 @@ def test_step_update_is_exact_mean_gradient_also_for_a_smaller_last_step(precisi
         window = [list(range(s, s + n)) for s, n in zip(starts, sizes)]
         batches = [{"x": x[ix], "y": y[ix]} for ix in window]
 
-        ref = {k: v.detach().clone() for k, v in model.named_parameters()}
-        ref_model = type(model)(4, 16)
-        ref_model.load_state_dict(model.state_dict())
-        total = sum(ref_model(b) * len(ix) for b, ix in zip(batches, window)) / sum(sizes)
-        ref_grads = dict(zip([k for k, _ in ref_model.named_parameters()],
-                             torch.autograd.grad(total, list(ref_model.parameters()))))
+        ref, ref_grads = _reference_step(model, batches, window)
 
         outcome = trainer.train_step(batches, window, step)
         assert not outcome.skipped and outcome.samples == sum(sizes)
@@ -589,16 +594,6 @@ def test_step_update_is_exact_mean_gradient_also_for_a_smaller_last_step(precisi
             err = ((applied - ref_grads[name]).norm() / ref_grads[name].norm()).item()
             assert err < rtol, (f"step {step} ({len(sizes)} micro-batches), {name}: update / exact gradient "
                                 f"= {(applied.norm() / ref_grads[name].norm()).item():.4f}, rel err {err:.3g}")
-
-
-def _reference_step(model, batches, window):
-    """Parameters before the step and the exact gradient of the step's sample mean."""
-    before = {k: v.detach().clone() for k, v in model.named_parameters()}
-    ref_model = type(model)(4, 16)
-    ref_model.load_state_dict(model.state_dict())
-    total = sum(ref_model(b) * len(ix) for b, ix in zip(batches, window)) / sum(len(ix) for ix in window)
-    grads = torch.autograd.grad(total, list(ref_model.parameters()))
-    return before, dict(zip([k for k, _ in ref_model.named_parameters()], grads))
 
 
 @pytest.mark.parametrize("precision, rtol", [("fp32", 1e-5), ("fp16-mixed", 2e-2)])
