@@ -6,6 +6,9 @@ Layout, in ``<run dir>/checkpoints/``::
         shared.pt          model (FP32; the masters in master modes), optimizer,
                            loss scaler, lr schedule and loop position: rank 0 writes it
         rng_rank<N>.pt     each rank's RNG states (python, numpy, torch, cuda)
+        shards/            dist.strategy=fsdp only: model and optimizer state, each rank
+                           writing its own shards with torch.distributed.checkpoint (DCP);
+                           shared.pt then holds no tensor of the model
         manifest.json      size and sha256 of every file above, written last
 
 A checkpoint is written under a temporary name, every file flushed and fsynced,
@@ -13,6 +16,9 @@ then renamed into place, so a crash mid-write never leaves one that looks
 valid; on resume the manifest is checked and a corrupt or truncated checkpoint
 is reported and skipped for the previous one. Everything is read with
 ``torch.load(weights_only=True)``: a checkpoint cannot run code when loaded.
+DCP's own metadata file is a pickle; it is read with an unpickler that admits
+only DCP's metadata classes, torch dtypes, sizes and paths, and shard items
+that are not tensors (DCP would unpickle them in full) are refused.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ log = logging.getLogger("dist_trainer")
 PREFIX = "step_"
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
+SHARDS = "shards"
+SHARD_METADATA = f"{SHARDS}/.metadata"
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -48,9 +56,79 @@ def _rng_file(rank: int) -> str:
     return f"rng_rank{rank}.pt"
 
 
-def _needed_files(world_size: int) -> List[str]:
-    """Every file a checkpoint of ``world_size`` ranks must hold for a resume."""
-    return ["shared.pt"] + [_rng_file(r) for r in range(world_size)]
+def _needed_files(world_size: int, sharded: bool = False) -> List[str]:
+    """Every file a checkpoint of ``world_size`` ranks must hold for a resume (DCP's data files besides)."""
+    return ["shared.pt"] + [_rng_file(r) for r in range(world_size)] + ([SHARD_METADATA] if sharded else [])
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's metadata and nothing else: no callable outside this list can be reached."""
+
+    ALLOWED = {
+        ("torch.distributed.checkpoint.metadata", name) for name in (
+            "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+            "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")
+    } | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+         ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+         ("collections", "OrderedDict")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's shard metadata")
+
+
+def read_shard_metadata(shards: Path) -> Any:
+    """DCP's metadata of a sharded checkpoint, unpickled safely; only tensor items are accepted."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    with open(shards / ".metadata", "rb") as f:
+        metadata = _MetadataUnpickler(f).load()
+    others = [key for key, item in metadata.state_dict_metadata.items()
+              if not isinstance(item, TensorStorageMetadata)]
+    if others:
+        raise pickle.UnpicklingError(f"shard items {others[:3]} are not tensors; only tensors are loaded")
+    return metadata
+
+
+def save_shards(state: Dict[str, Any], shards: Path) -> None:
+    """Every rank writes its own shards of ``state`` (DTensors, or tensors every rank holds) with DCP."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(shards), sync_files=True))
+
+
+def load_shards(state: Dict[str, Any], shards: Path) -> None:
+    """Fill ``state``'s tensors in place from a sharded checkpoint, resharding to their layout.
+
+    ``state`` may hold DTensors of any mesh (fsdp on any world size) or whole
+    tensors (each rank then reads every shard of them).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(dcp.FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            metadata = read_shard_metadata(shards)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class TensorsOnly(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:  # DCP would torch.load it with weights_only=False
+            raise CheckpointError(f"shard item {read_item.dest_index.fqn} is not a tensor; refusing to unpickle it")
+
+    dcp.load(state, storage_reader=SafeReader(str(shards)), planner=TensorsOnly())
+
+
+def shard_tensor_shapes(shards: Path) -> Dict[str, Tuple[torch.Size, torch.dtype]]:
+    """Key -> (whole shape, dtype) of every tensor a sharded checkpoint holds."""
+    metadata = read_shard_metadata(shards)
+    return {key: (item.size, item.properties.dtype) for key, item in metadata.state_dict_metadata.items()}
 
 
 def _fsync_dir(path: Path) -> None:
@@ -100,8 +178,9 @@ def restore_rng(state: Dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def save(run_dir: Path, step: int, shared: Dict[str, Any], env: DistEnv, keep: int) -> Path:
-    """Write one checkpoint; every rank calls this (each writes its own RNG file)."""
+def save(run_dir: Path, step: int, shared: Dict[str, Any], env: DistEnv, keep: int,
+         sharded: Optional[Dict[str, Any]] = None) -> Path:
+    """Write one checkpoint; every rank calls this (each writes its own RNG file, and its shards)."""
     root = checkpoint_dir(run_dir)
     final = root / f"{PREFIX}{step:08d}"
     tmp = root / f".tmp-{PREFIX}{step:08d}"
@@ -110,13 +189,15 @@ def save(run_dir: Path, step: int, shared: Dict[str, Any], env: DistEnv, keep: i
         tmp.mkdir(parents=True)
     dist.barrier()
     _save_file(capture_rng(env.device), tmp / _rng_file(env.rank))
+    if sharded is not None:
+        save_shards(sharded, tmp / SHARDS)  # collective: each rank its own file, rank 0 the metadata
     if env.is_main:
         _save_file({"format": FORMAT_VERSION, "world_size": env.world_size, **shared}, tmp / "shared.pt")
     dist.barrier()  # every rank's file is on disk before the manifest seals them
     # The manifest names every file a resume needs, not what rank 0 happens to list:
     # a rank's RNG file it cannot see (run dir not shared by all nodes, or a stale
     # NFS directory cache) must stop the run, not seal a checkpoint without it.
-    files = _needed_files(env.world_size)
+    files = _needed_files(env.world_size, sharded is not None)
     missing = [[name for name in files if not (tmp / name).is_file()] if env.is_main else None]
     dist.broadcast_object_list(missing, src=0)
     if missing[0]:
@@ -125,7 +206,10 @@ def save(run_dir: Path, step: int, shared: Dict[str, Any], env: DistEnv, keep: i
             "write to the same run directory (set hydra.run.dir to storage all nodes share). Earlier "
             "checkpoints are untouched.")
     if env.is_main:
+        if sharded is not None:  # DCP's data files, one or more per rank
+            files += sorted(f"{SHARDS}/{p.name}" for p in (tmp / SHARDS).iterdir() if p.name != ".metadata")
         manifest = {"step": step, "world_size": env.world_size, "format": FORMAT_VERSION,
+                    "sharded": sharded is not None,
                     "files": {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
                               for name in files}}
         with open(tmp / MANIFEST, "w") as f:
@@ -171,7 +255,8 @@ def _read_verified(path: Path) -> tuple[Optional[str], Dict[str, Any]]:
                 return f"{name} has {file.stat().st_size} bytes, the manifest says {meta['bytes']}", {}
             if _sha256(file) != meta["sha256"]:
                 return f"{name} does not match its sha256", {}
-        absent = [name for name in _needed_files(manifest["world_size"]) if name not in manifest["files"]]
+        absent = [name for name in _needed_files(manifest["world_size"], manifest.get("sharded", False))
+                  if name not in manifest["files"]]
         if absent:
             return f"{', '.join(absent)} not in the manifest of a {manifest['world_size']}-rank checkpoint", {}
     except (OSError, ValueError, KeyError, TypeError) as err:
@@ -179,10 +264,14 @@ def _read_verified(path: Path) -> tuple[Optional[str], Dict[str, Any]]:
     loaded = {}
     for name in manifest["files"]:
         try:  # intact is not enough: it must hold nothing but tensors and plain values
-            loaded[name] = torch.load(path / name, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError:
-            return (f"{name} holds objects other than tensors and plain values; torch.load(weights_only=True) "
-                    "refused it, so nothing in it ran"), {}
+            if name == SHARD_METADATA:
+                read_shard_metadata(path / SHARDS)
+            elif not name.startswith(f"{SHARDS}/"):  # DCP's data files: read as tensors only, when loaded
+                loaded[name] = torch.load(path / name, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as err:
+            how = "torch.load(weights_only=True)" if name != SHARD_METADATA else f"the metadata unpickler ({err})"
+            return (f"{name} holds objects other than tensors and plain values; {how} refused it, "
+                    "so nothing in it ran"), {}
     return None, loaded
 
 
@@ -202,8 +291,8 @@ def _newest_valid(root: Path) -> tuple[Optional[Path], List[str], Dict[str, Any]
     return None, problems, {}
 
 
-def load_latest(run_dir: Path, env: DistEnv) -> Optional[Tuple[Dict[str, Any], Optional[Dict[str, Any]]]]:
-    """(shared state, this rank's RNG state or None) of the newest valid checkpoint.
+def load_latest(run_dir: Path, env: DistEnv) -> Optional[Tuple[Dict[str, Any], Optional[Dict[str, Any]], Path]]:
+    """(shared state, this rank's RNG state or None, its directory) of the newest valid checkpoint.
 
     Rank 0 checks the files and broadcasts its choice, so every rank resumes
     from the same checkpoint even if they would see the directory differently.
@@ -230,4 +319,4 @@ def load_latest(run_dir: Path, env: DistEnv) -> Optional[Tuple[Dict[str, Any], O
     if rng is None and (path / rng_name).exists():
         rng = torch.load(path / rng_name, map_location="cpu", weights_only=True)
     log.info("resuming from %s (step %d)", path, shared["loop"]["step"])
-    return shared, rng
+    return shared, rng, path

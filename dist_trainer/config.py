@@ -17,6 +17,8 @@ OPTIMIZERS = ("adamw", "sgd")
 LR_SCALINGS = ("none", "linear", "sqrt")
 SCHEDULES = ("constant", "cosine")
 NONFINITE_POLICIES = ("stop", "skip")
+STRATEGIES = ("ddp", "fsdp")
+ACCUM_SYNCS = ("last", "every")
 # Keys of the data node that the framework owns; they never reach the dataset.
 LOADER_KEYS = ("shuffle", "drop_last", "num_workers")
 
@@ -91,7 +93,21 @@ class TrainerConfig:
 
 
 @dataclass
+class FSDPConfig:
+    # last: reduce-scatter once per optimizer step, with the last micro-batch (the unsharded
+    # gradient is kept between micro-batches); every: with every micro-batch (less memory).
+    accum_sync: str = "last"
+    reshard_after_forward: bool = True  # free gathered parameters after each unit's forward
+
+
+@dataclass
 class DistConfig:
+    strategy: str = "ddp"  # ddp | fsdp
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    # Class names of the model's repeated blocks (FSDP units, activation checkpointing);
+    # null: what the model declares in _no_split_modules.
+    blocks: Optional[List[str]] = None
+    activation_checkpointing: bool = False
     sync_batchnorm: bool = False
     find_unused_parameters: bool = False
     bucket_cap_mb: Optional[float] = None  # null = DDP's own default
@@ -239,6 +255,21 @@ def _validate_values(cfg: Config) -> None:
     _check(cfg.plan.world_size is None or cfg.plan.world_size >= 1, "plan.world_size", cfg.plan.world_size,
            "must be >= 1")
     _check(d.timeout_s >= 1, "dist.timeout_s", d.timeout_s, "must be >= 1")
+    _check(d.strategy in STRATEGIES, "dist.strategy", d.strategy, f"choose one of {STRATEGIES}")
+    _check(d.fsdp.accum_sync in ACCUM_SYNCS, "dist.fsdp.accum_sync", d.fsdp.accum_sync,
+           f"choose one of {ACCUM_SYNCS}")
+    _check(d.blocks is None or (isinstance(d.blocks, list) and all(isinstance(b, str) and b for b in d.blocks)),
+           "dist.blocks", d.blocks, "must be a list of class names, or null for what the model declares")
+    if d.strategy == "fsdp":
+        # Combinations fsdp does not support, named by both keys, before anything is built.
+        _check(not d.sync_batchnorm, "dist.sync_batchnorm", d.sync_batchnorm,
+               "is not supported with dist.strategy=fsdp: set dist.sync_batchnorm=false or dist.strategy=ddp")
+        _check(d.check_consistency_every == 0, "dist.check_consistency_every", d.check_consistency_every,
+               "compares whole replicas across ranks, and under dist.strategy=fsdp each rank holds a different "
+               "shard: set dist.check_consistency_every=0 or dist.strategy=ddp")
+        _check(cfg.batch.micro_batch_size != "auto", "batch.micro_batch_size", "auto",
+               "is not supported with dist.strategy=fsdp (its trials run the whole unsharded model on each "
+               "rank): set an integer batch.micro_batch_size, or dist.strategy=ddp")
     _check(cfg.logger in ("jsonl", "tensorboard"), "logger", cfg.logger, "choose jsonl or tensorboard")
     for node in ("model", "data"):
         target = getattr(cfg, node).get("_target_")

@@ -90,6 +90,9 @@ class GPT(nn.Module):
     """
 
     items_are_tokens = True  # num_items counts tokens: the trainer reports tokens_per_s
+    # The repeated blocks, declared as Hugging Face models do: FSDP units and the unit of
+    # activation checkpointing (dist.blocks overrides it).
+    _no_split_modules = ["Block"]
 
     def __init__(
         self,

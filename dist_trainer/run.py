@@ -22,7 +22,7 @@ from .distributed import DistEnv
 from .finder import find_micro_batch_size, largest_divisor_at_most, model_trial
 from .metrics import Outputs, peak_flops, peak_mem_mb
 from .optim import build_optimizer
-from .parallel import apply_ddp, check_consistency, count_allreduces
+from .parallel import build_strategy, check_consistency
 from .precision import Precision
 from .signals import Preempted, StopRequest
 from .trainer import StepOutcome, Trainer, loss_terms
@@ -107,13 +107,9 @@ def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
     step_plan = StepPlan.for_config(len(train_set), cfg, plan, env.rank)  # checks the data before the model
     eval_set = build_dataset(cfg.data, split="val") if "split" in cfg.data else None
     precision = Precision(cfg.precision, env.device)
-    model = precision.prepare(instantiate(cfg.model, _convert_="all"))
-    ddp = apply_ddp(model, env, cfg.dist)
-    weights = precision.weights(ddp.module)
-    counter = count_allreduces(ddp, weights.reduce_bucket, weights.sent_element_size)
-    optimizer = build_optimizer(weights.optimizer_params(), cfg.optim, plan.lr)
-    trainer = Trainer(ddp, optimizer, precision, weights, counter, env, plan, cfg.optim, cfg.trainer,
-                      cfg.batch.partial_step)
+    strategy = build_strategy(instantiate(cfg.model, _convert_="all"), env, cfg.dist, precision)
+    optimizer = build_optimizer(strategy.weights.optimizer_params(), cfg.optim, plan.lr)
+    trainer = Trainer(strategy, optimizer, precision, env, plan, cfg.optim, cfg.trainer, cfg.batch.partial_step)
     torch.manual_seed(cfg.trainer.seed + env.rank)  # dropout and other runtime randomness per rank
     return Parts(trainer, step_plan, train_set, eval_set)
 
@@ -122,7 +118,7 @@ def choose_micro_batch(cfg: Config, parts: Parts, env: DistEnv) -> BatchPlan:
     """Run the finder, then re-derive accum steps: the global batch and the lr stay as configured."""
     trainer = parts.trainer
     per_rank = trainer.plan.global_batch_size // env.world_size
-    trial = model_trial(trainer.model.module, parts.train_set, trainer.precision.autocast,
+    trial = model_trial(trainer.module, parts.train_set, trainer.precision.autocast,
                         trainer.weights.optimizer_params(), 2 if cfg.optim.name == "adamw" else 1, env.device)
     fits = find_micro_batch_size(trial, per_rank, env.device)
     if fits == 0:
@@ -150,7 +146,7 @@ class Position:
 
 def _train(cfg: Config, plan: BatchPlan, env: DistEnv, run_dir: Path) -> Dict[str, Any]:
     parts = build(cfg, plan, env)
-    model = parts.trainer.model.module
+    model = parts.trainer.module
     if cfg.batch.micro_batch_size == "auto":
         plan = choose_micro_batch(cfg, parts, env)
     if env.is_main:
@@ -164,8 +160,9 @@ def _train(cfg: Config, plan: BatchPlan, env: DistEnv, run_dir: Path) -> Dict[st
     finally:
         stop.close()
         outputs.close()
+    final = parts.trainer.strategy.full_state_dict()  # every rank takes part; under fsdp rank 0 gets it whole
     if env.is_main:
-        torch.save(parts.trainer.weights.fp32_state_dict(model), run_dir / "final_model.pt")
+        torch.save(final, run_dir / "final_model.pt")
     return summary
 
 
@@ -174,7 +171,7 @@ def resume(parts: Parts, plan: BatchPlan, env: DistEnv, run_dir: Path, seed: int
     loaded = checkpoint.load_latest(run_dir, env)
     if loaded is None:
         return Position()
-    shared, rng = loaded
+    shared, rng, path = loaded
     saved_global = shared["plan"]["global_batch_size"]
     if saved_global != plan.global_batch_size:
         raise ConfigError(
@@ -182,7 +179,8 @@ def resume(parts: Parts, plan: BatchPlan, env: DistEnv, run_dir: Path, seed: int
             f"{run_dir} was trained with a global batch of {saved_global}: set batch.global_batch_size="
             f"{saved_global} (accum steps are re-derived for the new world size), or start a new run directory"
         )
-    parts.trainer.load_state_dict(shared["trainer"])
+    shards = path / checkpoint.SHARDS
+    parts.trainer.load_checkpoint_state(shared["trainer"], shards if shards.is_dir() else None)
     position = Position(**shared["loop"])
     if rng is not None:
         checkpoint.restore_rng(rng, env.device)
@@ -193,9 +191,9 @@ def resume(parts: Parts, plan: BatchPlan, env: DistEnv, run_dir: Path, seed: int
 
 
 def save_checkpoint(parts: Parts, position: Position, env: DistEnv, run_dir: Path, keep: int) -> None:
-    shared = {"trainer": parts.trainer.state_dict(), "loop": asdict(position),
-              "plan": asdict(parts.trainer.plan)}
-    path = checkpoint.save(run_dir, position.step, shared, env, keep)
+    trainer_state, sharded = parts.trainer.checkpoint_state()
+    shared = {"trainer": trainer_state, "loop": asdict(position), "plan": asdict(parts.trainer.plan)}
+    path = checkpoint.save(run_dir, position.step, shared, env, keep, sharded)
     log.info("step %d: checkpoint %s", position.step, path)
 
 
@@ -226,7 +224,7 @@ def _loop(cfg: Config, parts: Parts, position: Position, outputs: Outputs, stop:
             record = step_record(outcome, position, trainer, now - tick, fetched - tick, mfu_basis)
             last = step == plan.max_steps
             if evals is not None and ((tcfg.eval_every and step % tcfg.eval_every == 0) or last):
-                record["eval_loss"] = evaluate(trainer.model.module, evals, trainer.precision, env.device)
+                record["eval_loss"] = evaluate(trainer.module, evals, trainer.precision, env.device)
             outputs.write(record)
             if last or outcome.stop_requested or (tcfg.ckpt_every and step % tcfg.ckpt_every == 0):
                 save_checkpoint(parts, position, env, run_dir, tcfg.keep_checkpoints)
@@ -246,7 +244,7 @@ def _loop(cfg: Config, parts: Parts, position: Position, outputs: Outputs, stop:
 
 def _peak_model_flops(trainer: Trainer) -> Optional[tuple[float, float]]:
     """(model FLOPs per item, peak FLOP/s of all ranks), or None where MFU cannot be known."""
-    flops = getattr(trainer.model.module, "flops_per_item", None)
+    flops = getattr(trainer.module, "flops_per_item", None)
     peak = peak_flops(trainer.env.device, trainer.precision.autocast_dtype is not None)
     if not callable(flops) or not peak:
         return None
@@ -262,11 +260,13 @@ def step_record(outcome: StepOutcome, position: Position, trainer: Trainer, step
         "skip_reason": outcome.skip_reason,
         "skipped_total": trainer.skipped_total, "updates": trainer.updates, "samples": position.samples,
         "items": outcome.items, "allreduces": outcome.allreduces, "allreduce_bytes": outcome.allreduce_bytes,
+        **{k: v for k, v in outcome.comm.items() if k not in ("allreduces", "allreduce_bytes")},
+        "state_mb": outcome.state_mb,
         "step_time_s": step_time, "data_time_s": data_time, "compute_time_s": step_time - data_time,
         "samples_per_s": outcome.samples / step_time, "items_per_s": outcome.items / step_time,
         "peak_mem_mb": peak_mem_mb(env.device),
     }
-    if outcome.item_form and getattr(trainer.model.module, "items_are_tokens", False):
+    if outcome.item_form and getattr(trainer.module, "items_are_tokens", False):
         record["tokens_per_s"] = record["items_per_s"]  # the model says its items are tokens
     if mfu_basis is not None:
         per_item, peak = mfu_basis

@@ -4,9 +4,9 @@ One optimizer step, as pseudocode::
 
     zero grads
     for each micro-batch of the window:
-        (under no_sync unless it is the last) autocast forward, then
-        backward of loss_sum * scale / divisor          # scale and divisor fixed for the window
-    one all-reduce: [loss_sum, items, samples, non-finite flags] over all ranks
+        (in the strategy's micro-batch context: ddp's no_sync, or fsdp's gradient sync switch)
+        autocast forward, then backward of loss_sum * scale / divisor  # scale and divisor fixed for the window
+    one all-reduce: [loss_sum, items, samples, non-finite flags, (fsdp) squared shard norms] over all ranks
     if any gradient is non-finite anywhere: skip (every rank alike), back the scale off
     if the step holds no items at all: skip it, the scale untouched
     else: grads *= world * divisor / (scale * items), clipped, in one multiply
@@ -20,20 +20,19 @@ however the step is split.
 from __future__ import annotations
 
 import logging
-from contextlib import nullcontext
-from dataclasses import dataclass
-from typing import Any, Callable, List, Mapping, Optional
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .config import BatchPlan, OptimConfig, TrainerConfig
 from .data import Window
 from .distributed import DistEnv
 from .optim import lr_at, set_lr
-from .parallel import AllreduceCounter
-from .precision import MasterWeights, ModelWeights, Precision
+from .precision import Precision
 
 log = logging.getLogger("dist_trainer")
 
@@ -56,6 +55,10 @@ class StepOutcome:
     allreduces: int  # gradient all-reduce calls issued by DDP in this step
     allreduce_bytes: int
     skip_reason: Optional[str] = None  # "nonfinite" (an overflow in fp16) or "no_items"; None if applied
+    # Every collective the strategy issued for gradients and parameters in this step, by kind:
+    # allreduces (ddp), reduce_scatters and all_gathers (fsdp), and their bytes.
+    comm: Dict[str, int] = field(default_factory=dict)
+    state_mb: Optional[float] = None  # model state of the largest rank after the update (see Trainer.state_mb)
 
 
 def _leading_dim(batch: Any) -> int:
@@ -91,13 +94,13 @@ def loss_terms(output: Any, batch: Any, count: bool) -> tuple[torch.Tensor, torc
 class Trainer:
     """Holds what the step needs; built once, before the loop."""
 
-    def __init__(self, model: DDP, optimizer: torch.optim.Optimizer, precision: Precision,
-                 weights: ModelWeights | MasterWeights, counter: AllreduceCounter, env: DistEnv,
+    def __init__(self, strategy: Any, optimizer: torch.optim.Optimizer, precision: Precision, env: DistEnv,
                  plan: BatchPlan, optim_cfg: OptimConfig, trainer_cfg: TrainerConfig, partial_step: str = "mean"):
-        self.model, self.optimizer, self.precision, self.weights = model, optimizer, precision, weights
-        self.counter, self.env, self.plan = counter, env, plan
+        self.strategy, self.optimizer, self.precision = strategy, optimizer, precision
+        self.model, self.module, self.weights = strategy.model, strategy.module, strategy.weights
+        self.env, self.plan = env, plan
         self.optim_cfg, self.trainer_cfg, self.partial_step = optim_cfg, trainer_cfg, partial_step
-        self.names = {p: name for name, p in model.module.named_parameters()}
+        self.names = {p: name for name, p in self.module.named_parameters()}
         self.updates = 0  # applied optimizer updates: drives the lr schedule
         self.consecutive_skips = 0
         self.skipped_total = 0
@@ -107,20 +110,20 @@ class Trainer:
         # step (None before the first). Only the loss scaler's range depends on
         # it, the update is exact for any value; it must be equal on all ranks.
         self.loss_divisor: Optional[float] = None
+        # MiB of model state on the largest rank, measured after the first applied update:
+        # the tensors' sizes do not change after it (the optimizer state exists from then on).
+        self.state_mb: Optional[float] = None
 
     def train_step(self, batches: List[Any], window: Window, step: int,
                    stop_requested: Callable[[], bool] = lambda: False) -> StepOutcome:
-        model, scale = self.model, self.precision.scaler.scale
-        calls0, bytes0 = self.counter.calls, self.counter.bytes
+        model, strategy, scale = self.model, self.strategy, self.precision.scaler.scale
+        comm0 = strategy.comm()
         self.weights.zero_grad()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
         items = torch.zeros((), dtype=torch.float64, device=self.env.device)
         for i, (batch, indices) in enumerate(zip(batches, window)):
-            # no_sync must cover forward AND backward: DDP decides during forward
-            # whether the backward of that graph all-reduces. Only the window's
-            # last backward syncs, carrying the sum of all micro-batches' grads.
             last = i == len(window) - 1
-            with nullcontext() if last else model.no_sync():
+            with strategy.micro_batch(last):  # whether this backward reduces gradients
                 with self.precision.autocast():
                     output = model(batch)
                 self.item_form = isinstance(output, Mapping)
@@ -134,8 +137,13 @@ class Trainer:
             items += mb_items
         totals = self._reduce_window(loss_sum, items, sum(len(ix) for ix in window), stop_requested)
         outcome = self._apply(totals, scale, step)
-        outcome.allreduces = self.counter.calls - calls0
-        outcome.allreduce_bytes = self.counter.bytes - bytes0
+        comm = strategy.comm()
+        outcome.comm = {key: comm[key] - comm0[key] for key in comm}
+        outcome.allreduces = outcome.comm.get("allreduces", 0)
+        outcome.allreduce_bytes = outcome.comm.get("allreduce_bytes", 0)
+        if self.state_mb is None and not outcome.skipped:
+            self.state_mb = self._measure_state_mb()
+        outcome.state_mb = self.state_mb
         return outcome
 
     def _first_divisor(self, items: torch.Tensor) -> float:
@@ -155,20 +163,31 @@ class Trainer:
         float64 keeps item counts exact far beyond 2**24.
         """
         grads = [g for _, g in self.weights.grads()]
-        raw_norm = torch.nn.utils.get_total_norm(grads, error_if_nonfinite=False) if grads else torch.zeros(())
         world = self.env.world_size
-        stats = torch.zeros(5 + world, dtype=torch.float64, device=self.env.device)
+        sharded = self.strategy.grads_sharded
+        stats = torch.zeros(5 + world + sharded, dtype=torch.float64, device=self.env.device)
+        if sharded:  # each rank holds a shard: the squared norms add up over ranks
+            local = torch.stack(torch._foreach_norm(grads)).double() if grads else torch.zeros((), dtype=torch.float64)
+            stats[5 + world] = local.square().sum()
+        else:  # every rank holds the whole (already all-reduced) gradient
+            raw_norm = torch.nn.utils.get_total_norm(grads, error_if_nonfinite=False) if grads else torch.zeros(())
+            stats[3] = (~torch.isfinite(raw_norm)).to(torch.float64)
         # Read the stop flag now, at the step's end: a signal that came during
         # this step stops the run after it, not after the next one.
         stats[0], stats[1], stats[2], stats[4] = loss_sum, items, samples, float(stop_requested())
-        stats[3] = (~torch.isfinite(raw_norm)).to(torch.float64)
         stats[5 + self.env.rank] = (~torch.isfinite(loss_sum)).to(torch.float64)
         dist.all_reduce(stats)
         values = stats.tolist()  # the step's one host sync
         bad_ranks = [r for r in range(world) if values[5 + r] > 0]
+        if sharded:  # an inf or NaN in any rank's shard makes the sum non-finite on every rank
+            norm = math.sqrt(values[5 + world]) if math.isfinite(values[5 + world]) else float("nan")
+            nonfinite = not math.isfinite(norm)
+        else:
+            norm = raw_norm.item()
+            nonfinite = values[3] > 0
         return {"loss_sum": values[0], "items": values[1], "samples": int(values[2]),
-                "nonfinite": values[3] > 0 or bool(bad_ranks), "stop": values[4] > 0, "bad_ranks": bad_ranks,
-                "raw_norm": raw_norm.item()}  # norm of the grads as they stand: scaled, not yet normalised
+                "nonfinite": nonfinite or bool(bad_ranks), "stop": values[4] > 0, "bad_ranks": bad_ranks,
+                "raw_norm": norm}  # norm of the grads as they stand: scaled, not yet normalised
 
     def _apply(self, totals: dict, scale: float, step: int) -> StepOutcome:
         lr = lr_at(self.updates, self.plan.lr, self.optim_cfg, self.plan.max_steps)
@@ -194,7 +213,7 @@ class Trainer:
             self.weights.zero_grad()
             log.warning("step %d holds no items to learn from (every target ignored?); nothing was updated", step)
             return outcome
-        # DDP averaged over ranks; undo that, the loss scale and the divisor, and
+        # The reduction averaged over ranks; undo that, the loss scale and the divisor, and
         # divide by the true item count of the whole step: one multiply.
         factor = self.env.world_size * divisor / (scale * items)
         if self.partial_step == "scaled":  # a short last step counts by the samples it holds
@@ -215,18 +234,28 @@ class Trainer:
         return outcome
 
     def consistency_tensors(self) -> List[tuple[str, torch.Tensor]]:
-        """What must be bit-identical on every rank: parameters, buffers, FP32 masters."""
-        module = self.model.module
-        named = list(module.named_parameters()) + list(module.named_buffers())
-        if isinstance(self.weights, MasterWeights):
-            named += [(f"{self.names[p]} (FP32 master)", m) for p, m in zip(self.weights.params, self.weights.masters)]
-        return named
+        """What must be bit-identical on every rank (the strategy knows what is replicated)."""
+        return self.strategy.consistency_tensors()
 
-    def state_dict(self) -> dict:
-        """Everything the step needs to continue exactly (the loop adds its position)."""
+    def _measure_state_mb(self) -> float:
+        """MiB of parameters, gradients, optimizer state and FP32 masters on the largest rank."""
+        local = torch.tensor([float(state_bytes(self.strategy, self.optimizer))], dtype=torch.float64,
+                             device=self.env.device)
+        dist.all_reduce(local, op=dist.ReduceOp.MAX)
+        return local.item() / 2**20
+
+    def checkpoint_state(self) -> tuple[dict, Optional[dict]]:
+        """(everything the step needs to continue exactly, in shared.pt; the sharded tensors or None).
+
+        The loop adds its position. Which strategy wrote it is recorded, so a
+        resume with the other one knows what it reads.
+        """
+        state, sharded = self.strategy.checkpoint_state(self.optimizer)
+        return {**state, **self.counters(), "strategy": self.strategy.name}, sharded
+
+    def counters(self) -> dict:
+        """The step's own state: loss scaler, schedule position, skip counts, loss divisor."""
         return {
-            "model": self.weights.fp32_state_dict(self.model.module),
-            "optimizer": self.optimizer.state_dict(),
             "scaler": self.precision.scaler.state_dict(),
             "updates": self.updates,
             "consecutive_skips": self.consecutive_skips,
@@ -234,9 +263,12 @@ class Trainer:
             "loss_divisor": self.loss_divisor,
         }
 
-    def load_state_dict(self, state: dict) -> None:
-        self.weights.load_fp32_state_dict(self.model.module, state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+    def load_checkpoint_state(self, state: dict, shards: Optional[Path]) -> None:
+        """Continue from a checkpoint written by either strategy, on any world size."""
+        self.strategy.load_checkpoint_state(self.optimizer, state, shards)
+        self.load_counters(state)
+
+    def load_counters(self, state: dict) -> None:
         self.precision.scaler.load_state_dict(state["scaler"])
         self.updates = state["updates"]
         self.consecutive_skips = state["consecutive_skips"]
@@ -269,3 +301,31 @@ class Trainer:
                 f"step {step}: {where}, {self.consecutive_skips} steps in a row, more than "
                 f"trainer.max_consecutive_skips={self.trainer_cfg.max_consecutive_skips}; training is diverging."
             )
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: the local shard of a DTensor, else the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def state_bytes(strategy: Any, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of model state this rank holds: parameters, gradients, optimizer state, FP32 masters.
+
+    Each storage counts once (tied weights, views), measured from the tensors themselves.
+    """
+    tensors: List[torch.Tensor] = []
+    for p in strategy.module.parameters():
+        tensors += [p] + ([p.grad] if p.grad is not None else [])
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            tensors += [p] + ([p.grad] if p.grad is not None else [])
+            tensors += [v for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+    seen, total = set(), 0
+    for t in tensors:
+        local = _local(t)
+        storage = local.untyped_storage()
+        key = (storage.data_ptr(), local.device)
+        if key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total

@@ -101,7 +101,7 @@ def _naive_sync_worker(rank, world_size):
     cfg.model = {"_target_": f"{__name__}.GradSnoopMLP"}
     env = distributed.init("cpu")
     parts = build(cfg, validate(cfg, world_size), env)
-    model, counter = parts.trainer.model, parts.trainer.counter
+    model, counter = parts.trainer.model, parts.trainer.strategy.counter
     x = {"x": torch.randn(4, 4), "y": torch.randn(4), "use_branch": torch.zeros(4, dtype=torch.bool)}
     model(x).backward()  # first iteration: DDP rebuilds its buckets after it
     before = counter.calls
