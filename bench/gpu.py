@@ -1,7 +1,8 @@
-"""Tokens/s, MFU and peak memory per precision mode, torch.compile off and on, one GPU.
+"""Tokens/s, MFU and peak memory per precision mode, torch.compile off and on, fsdp and activation
+checkpointing, one GPU.
 
-    python bench/gpu.py            # one CUDA GPU (made for an H200: under 6 minutes)
-    python bench/gpu.py --smoke    # CPU, a tiny GPT, 2 steps per mode: checks the script itself
+    python bench/gpu.py            # one CUDA GPU (made for an H200: under 8 minutes)
+    python bench/gpu.py --smoke    # CPU, a tiny GPT, 2 steps per configuration: checks the script itself
 
 What runs is dist_trainer's own Trainer, built by ``dist_trainer.run.build`` from
 a ``Config`` in a process group of one (``dist_trainer.distributed.init``, so
@@ -14,6 +15,11 @@ char_text dataset's), so ~85 M parameters instead of GPT-2's 124 M (its 50257
 token embedding is what is missing); micro-batch 16 sequences x 1024 tokens,
 accum 1. dist_trainer has no compile option: "compile on" compiles the model
 inside DDP in place (``module.compile()``), the framework's step unchanged.
+
+After the precision x compile grid (ddp, eager and compiled), eager rows for
+``dist.strategy=fsdp`` (on one GPU: the cost of the wrapping, gathers and
+reduce-scatters of a world of one) and ``dist.activation_checkpointing=true``
+(memory saved, time spent), with ``--extra=none`` to leave them out.
 
 Per configuration: ``--warmup`` steps (compilation happens there), then
 ``--steps`` timed steps; tokens/s = tokens / (wall time of the timed steps,
@@ -37,16 +43,21 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 MODES = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-master")
+# (precision, dist.strategy, dist.activation_checkpointing), all eager, after the grid.
+EXTRA = (("bf16-mixed", "fsdp", False), ("bf16-master", "fsdp", False), ("bf16-mixed", "ddp", True),
+         ("bf16-master", "fsdp", True))
 FULL = {"model": dict(vocab_size=256, block_size=1024, n_layer=12, n_head=12, n_embd=768, dropout=0.0),
         "micro": 16, "warmup": 3, "steps": 15}
 SMOKE = {"model": dict(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64, dropout=0.0),
          "micro": 4, "warmup": 1, "steps": 1}
 
 
-def run_config(env, spec: dict, precision: str, compile_model: bool, warmup: int, steps: int) -> dict:
+def run_config(env, spec: dict, precision: str, compile_model: bool, warmup: int, steps: int,
+               strategy: str = "ddp", checkpointing: bool = False) -> dict:
     import torch
 
-    from dist_trainer.config import BatchConfig, Config, OptimConfig, PrecisionConfig, TrainerConfig, validate
+    from dist_trainer.config import (BatchConfig, Config, DistConfig, OptimConfig, PrecisionConfig, TrainerConfig,
+                                     validate)
     from dist_trainer.data import epoch_batches
     from dist_trainer.metrics import peak_flops, peak_mem_mb
     from dist_trainer.run import build, to_device
@@ -56,13 +67,14 @@ def run_config(env, spec: dict, precision: str, compile_model: bool, warmup: int
                  data={"_target_": "dist_trainer.datasets.char_text", "block_size": spec["model"]["block_size"]},
                  batch=BatchConfig(micro_batch_size=spec["micro"], accum_steps=1),
                  precision=PrecisionConfig(name=precision), optim=OptimConfig(lr=6e-4, grad_clip=1.0),
-                 trainer=TrainerConfig(max_steps=warmup + steps, device=env.device.type))
+                 trainer=TrainerConfig(max_steps=warmup + steps, device=env.device.type),
+                 dist=DistConfig(strategy=strategy, activation_checkpointing=checkpointing))
     plan = validate(cfg, env.world_size)
     if cuda:
         torch.cuda.reset_peak_memory_stats(env.device)
     parts = build(cfg, plan, env)
     trainer = parts.trainer
-    model = trainer.model.module
+    model = trainer.module
     if compile_model:
         model.compile()  # in place: DDP and the Trainer keep calling the same module
     pin = cuda
@@ -95,9 +107,11 @@ def run_config(env, spec: dict, precision: str, compile_model: bool, warmup: int
     tokens_per_s = items / elapsed
     peak = peak_flops(env.device, trainer.precision.autocast_dtype is not None)
     mfu = model.flops_per_item() * tokens_per_s / peak if peak else None
-    result = {"precision": precision, "compile": compile_model, "tokens_per_s": tokens_per_s, "mfu": mfu,
+    result = {"precision": precision, "compile": compile_model, "strategy": strategy, "ac": checkpointing,
+              "tokens_per_s": tokens_per_s, "mfu": mfu,
               "peak_mem_mb": peak_mem_mb(env.device), "step_ms": 1000 * elapsed / steps, "warmup_s": warm_s,
-              "loss": outcome.loss, "skipped": outcome.skipped, "params": model.num_params()}
+              "loss": outcome.loss, "skipped": outcome.skipped, "state_mb": outcome.state_mb,
+              "params": sum(p.numel() for p in model.parameters())}
     del trainer, parts, model, source
     gc.collect()
     if compile_model:
@@ -112,9 +126,11 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, 2 steps per mode")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--compile", choices=("both", "off", "on"), default="both")
+    parser.add_argument("--extra", choices=("all", "none"), default="all",
+                        help="the fsdp and activation-checkpointing rows after the grid")
     parser.add_argument("--warmup", type=int, help="steps before timing (default 3; smoke 1)")
     parser.add_argument("--steps", type=int, help="timed steps (default 15; smoke 1)")
-    parser.add_argument("--budget-s", type=float, default=270.0,
+    parser.add_argument("--budget-s", type=float, default=400.0,
                         help="stop starting new configurations after this many seconds (the rest are reported as skipped)")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
@@ -138,28 +154,34 @@ def main() -> None:
           f"n_embd={m['n_embd']} block={m['block_size']} vocab={m['vocab_size']} (byte); micro {spec['micro']} x "
           f"accum 1; {warmup} warm-up + {steps} timed steps per configuration", flush=True)
     compiles = {"both": (False, True), "off": (False,), "on": (True,)}[args.compile]
-    configs = [(mode, c) for c in compiles for mode in args.modes.split(",")]
+    configs = [(mode, c, "ddp", False) for c in compiles for mode in args.modes.split(",")]
+    configs += [(mode, False, strategy, ac) for mode, strategy, ac in EXTRA] if args.extra == "all" else []
     results = []
-    for mode, comp in configs:
+    for mode, comp, strategy, ac in configs:
+        name = f"{mode:12s} compile={'on ' if comp else 'off'} {strategy:4s} ac={'on ' if ac else 'off'}"
         if time.perf_counter() - t0 > args.budget_s:
-            results.append({"precision": mode, "compile": comp, "skipped_for_time": True})
-            print(f"{mode:12s} compile={'on ' if comp else 'off'} skipped: past --budget-s", flush=True)
+            results.append({"precision": mode, "compile": comp, "strategy": strategy, "ac": ac,
+                            "skipped_for_time": True})
+            print(f"{name} skipped: past --budget-s", flush=True)
             continue
-        r = run_config(env, spec, mode, comp, warmup, steps)
+        r = run_config(env, spec, mode, comp, warmup, steps, strategy, ac)
         results.append(r)
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
-        print(f"{mode:12s} compile={'on ' if comp else 'off'} {r['tokens_per_s']:12,.0f} tokens/s | MFU {mfu:>6s} | "
+        print(f"{name} {r['tokens_per_s']:12,.0f} tokens/s | MFU {mfu:>6s} | "
               f"peak {r['peak_mem_mb']:9,.0f} MiB | {r['step_ms']:8.1f} ms/step | warm-up {r['warmup_s']:5.1f} s | "
               f"loss {r['loss']:.4f}{' SKIPPED STEP' if r['skipped'] else ''}", flush=True)
-    print("\n| precision | torch.compile | tokens/s | MFU | peak memory (MiB) | step (ms) |")
-    print("|---|---|---|---|---|---|")
+    print("\n| precision | torch.compile | strategy | activation ckpt | tokens/s | MFU | peak memory (MiB) | "
+          "state_mb | step (ms) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
+        head = (f"| {r['precision']} | {'on' if r['compile'] else 'off'} | {r['strategy']} | "
+                f"{'on' if r['ac'] else 'off'} |")
         if r.get("skipped_for_time"):
-            print(f"| {r['precision']} | {'on' if r['compile'] else 'off'} | skipped (time budget) | | | |")
+            print(f"{head} skipped (time budget) | | | | |")
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
-        print(f"| {r['precision']} | {'on' if r['compile'] else 'off'} | {r['tokens_per_s']:,.0f} | {mfu} | "
-              f"{r['peak_mem_mb']:,.0f} | {r['step_ms']:.1f} |")
+        print(f"{head} {r['tokens_per_s']:,.0f} | {mfu} | {r['peak_mem_mb']:,.0f} | {r['state_mb']:,.1f} | "
+              f"{r['step_ms']:.1f} |")
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": device_name, "spec": spec, "results": results}, indent=1))

@@ -147,6 +147,11 @@ def _world2_jobs() -> list[tuple]:
         for ac in (False, True):
             jobs.append((f"ac/{strategy}/{ac}", ac_config(strategy, ac), 1))
     jobs.append(("ac/fsdp/every/True", ac_config("fsdp", True, "every"), 1))
+    for strategy, precision in (("fsdp", "bf16-master"), ("ddp", "fp16-mixed"), ("ddp", "bf16-master")):
+        for ac in (False, True):
+            cfg = ac_config(strategy, ac)
+            cfg.precision.name = precision
+            jobs.append((f"ac/{strategy}/{precision}/{ac}", cfg, 1))
     jobs.append(("overflow", overflow_config(), STEPS))
     return jobs
 
@@ -346,6 +351,17 @@ def test_activation_checkpointing_gives_the_same_gradients(world2, strategy):
     if strategy == "fsdp":
         every = _both(world2, "ac/fsdp/every/True")[0]
         _assert_close(every["grads"][0], off["grads"][0], "checkpointed fsdp every vs plain fsdp last")
+
+
+@pytest.mark.parametrize("strategy, precision", [("fsdp", "bf16-master"), ("ddp", "fp16-mixed"),
+                                                 ("ddp", "bf16-master")])
+def test_activation_checkpointing_in_half_precision_modes(world2, strategy, precision):
+    """The recomputation runs under the forward's autocast and RNG state: the same half-precision numbers."""
+    off = _both(world2, f"ac/{strategy}/{precision}/False")[0]
+    on = _both(world2, f"ac/{strategy}/{precision}/True")[0]
+    assert not off["outcomes"][0]["skipped"] and not on["outcomes"][0]["skipped"]
+    for name, ref in off["grads"][0].items():
+        torch.testing.assert_close(on["grads"][0][name], ref, rtol=1e-6, atol=1e-8, msg=name)
 
 
 def test_dropout_makes_checkpointing_comparison_meaningful(world2):

@@ -1,0 +1,29 @@
+"""The GPU benchmark runs as one command: its --smoke mode on the CPU checks the script itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from helpers import REPO
+
+
+def test_gpu_benchmark_smoke_runs_every_row(tmp_path):
+    out = tmp_path / "gpu.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu.py"), "--smoke", "--compile", "off",
+                           "--json", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    rows = {(r["precision"], r["strategy"], r["ac"]) for r in results}
+    # the precision grid under ddp, then fsdp and activation checkpointing
+    assert {("fp32", "ddp", False), ("bf16-master", "fsdp", False), ("bf16-mixed", "ddp", True),
+            ("bf16-master", "fsdp", True)} <= rows
+    for r in results:
+        assert r["tokens_per_s"] > 0 and r["state_mb"] > 0 and not r["skipped"], r
+    fsdp = next(r for r in results if (r["precision"], r["strategy"], r["ac"]) == ("bf16-master", "fsdp", False))
+    ddp = next(r for r in results if (r["precision"], r["strategy"], r["ac"]) == ("bf16-master", "ddp", False))
+    # one rank: fsdp holds FP32 parameters (the masters) and no half copy; ddp holds both
+    assert fsdp["state_mb"] < ddp["state_mb"]
