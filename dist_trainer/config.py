@@ -111,6 +111,9 @@ class DistConfig:
     sync_batchnorm: bool = False
     find_unused_parameters: bool = False
     bucket_cap_mb: Optional[float] = None  # null = DDP's own default
+    # ddp: gradients are views of the all-reduce buckets (one gradient-sized copy less);
+    # always off with find_unused_parameters
+    gradient_as_bucket_view: bool = True
     timeout_s: int = 1800
     check_consistency_every: int = 0  # optimizer steps; 0 disables the cross-rank bit-equality check
 

@@ -38,7 +38,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGath
 from .config import DistConfig
 from .distributed import DistEnv
 from .checkpoint import load_shards
-from .parallel import block_names, checkpoint_blocks, find_blocks, named_optimizer_state, optimizer_param_names
+from .parallel import (checkpoint_blocks, find_blocks, local_tensor, named_optimizer_state,
+                       optimizer_param_names)
 from .precision import Precision
 
 
@@ -73,10 +74,6 @@ class _CountingReduceScatter(DefaultReduceScatter):
         return super().__call__(output_tensor, input_tensor, group, op, async_op)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 class ShardedWeights:
     """The optimizer steps the model's own FP32 shards; gradients are this rank's shards.
 
@@ -95,7 +92,7 @@ class ShardedWeights:
         pass  # FSDP keeps (last) or reduces and adds (every) the micro-batches' gradients itself
 
     def grads(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-        return [(p, _local(p.grad)) for p in self.params if p.grad is not None]
+        return [(p, local_tensor(p.grad)) for p in self.params if p.grad is not None]
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -123,12 +120,9 @@ class FSDPStrategy:
 
     def __init__(self, model: nn.Module, env: DistEnv, cfg: DistConfig, precision: Precision):
         model = model.to(env.device)
-        names = block_names(model, cfg.blocks)
-        blocks = find_blocks(model, names, explicit=cfg.blocks is not None)
+        blocks = find_blocks(model, cfg.blocks)
         if cfg.activation_checkpointing:
-            from .parallel import _blocks_for_checkpointing
-
-            checkpoint_blocks(_blocks_for_checkpointing(model, cfg))
+            checkpoint_blocks(blocks)
         mesh = init_device_mesh(env.device.type, (env.world_size,))
         policy = (MixedPrecisionPolicy(param_dtype=precision.param_dtype, reduce_dtype=torch.float32)
                   if precision.param_dtype is not None else MixedPrecisionPolicy())

@@ -72,7 +72,17 @@ def apply_ddp(model: nn.Module, env: DistEnv, cfg: DistConfig) -> DDP:
         find_unused_parameters=cfg.find_unused_parameters,
         # None keeps DDP's own bucketing (a small first bucket); an explicit 25 does not.
         bucket_cap_mb=cfg.bucket_cap_mb,
+        gradient_as_bucket_view=bucket_views(cfg),
     )
+
+
+def bucket_views(cfg: DistConfig) -> bool:
+    """Whether gradients live in DDP's buckets (one gradient-sized copy less per rank).
+
+    Not with find_unused_parameters: a parameter no rank used would get a zero
+    view in place of no gradient, and AdamW would then step it (decay, momentum).
+    """
+    return cfg.gradient_as_bucket_view and not cfg.find_unused_parameters
 
 
 def count_allreduces(ddp: DDP, reduce: ReduceBucket, sent_element_size: Optional[int] = None) -> AllreduceCounter:
@@ -84,19 +94,14 @@ def count_allreduces(ddp: DDP, reduce: ReduceBucket, sent_element_size: Optional
 
 # ----------------------------------------------------------------------------- blocks
 
-def block_names(model: nn.Module, configured: Optional[Sequence[str]]) -> List[str]:
-    """Class names of the model's repeated blocks: ``dist.blocks``, else what the model declares.
+def find_blocks(model: nn.Module, configured: Optional[Sequence[str]]) -> List[nn.Module]:
+    """The model's repeated blocks, outermost first (none nested in another).
 
-    A model declares them as Hugging Face models do, in ``_no_split_modules``.
+    Their class names are ``dist.blocks`` (``configured``) or, when that is null,
+    what the model declares, as Hugging Face models do, in ``_no_split_modules``.
     """
-    if configured is not None:
-        return list(configured)
     declared = getattr(model, "_no_split_modules", None) or []
-    return [str(name) for name in declared]
-
-
-def find_blocks(model: nn.Module, names: Sequence[str], explicit: bool) -> List[nn.Module]:
-    """The modules whose class is named in ``names``, outermost first (none nested in another)."""
+    names = list(configured) if configured is not None else [str(name) for name in declared]
     wanted = set(names)
     found: List[nn.Module] = []
     inside: set = set()
@@ -106,11 +111,16 @@ def find_blocks(model: nn.Module, names: Sequence[str], explicit: bool) -> List[
         if type(module).__name__ in wanted:
             found.append(module)
             inside.update(id(m) for m in module.modules())
-    if explicit and names and not found:
+    if configured is not None and names and not found:
         classes = sorted({type(m).__name__ for m in model.modules()})
-        raise ConfigError(f"dist.blocks={list(names)}: no module of the model has that class; "
+        raise ConfigError(f"dist.blocks={names}: no module of the model has that class; "
                           f"its classes are {classes}")
     return found
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: the local shard of a DTensor (a view of its storage), else the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def checkpoint_blocks(blocks: Sequence[nn.Module]) -> None:
@@ -122,6 +132,9 @@ def checkpoint_blocks(blocks: Sequence[nn.Module]) -> None:
     """
     from torch.utils.checkpoint import checkpoint
 
+    if not blocks:
+        raise ConfigError("dist.activation_checkpointing=true: the model declares no blocks to checkpoint; "
+                          "set dist.blocks to the class names of its repeated blocks")
     for block in blocks:
         forward = block.forward
 
@@ -142,10 +155,12 @@ class DDPStrategy:
     def __init__(self, model: nn.Module, env: DistEnv, cfg: DistConfig, precision: Precision):
         precision.prepare(model)  # master modes: half parameters, FP32 norm layers
         if cfg.activation_checkpointing:
-            checkpoint_blocks(_blocks_for_checkpointing(model, cfg))
+            checkpoint_blocks(find_blocks(model, cfg.blocks))
         self.model = apply_ddp(model, env, cfg)
         self.module = self.model.module
         self.weights = precision.weights(self.module)
+        if isinstance(self.weights, ModelWeights) and bucket_views(cfg):
+            self.weights.keep_grad_buffers = True
         self.counter = count_allreduces(self.model, self.weights.reduce_bucket, self.weights.sent_element_size)
 
     def micro_batch(self, last: bool) -> ContextManager:
@@ -224,15 +239,6 @@ def indexed_optimizer_state(names: List[str], state: Dict[str, Dict[str, torch.T
     index = {name: i for i, name in enumerate(names)}
     return {"state": {index[name]: value for name, value in state.items() if value},
             "param_groups": [{**g, "params": [index[name] for name in g["params"]]} for g in groups]}
-
-
-def _blocks_for_checkpointing(model: nn.Module, cfg: DistConfig) -> List[nn.Module]:
-    names = block_names(model, cfg.blocks)
-    blocks = find_blocks(model, names, explicit=cfg.blocks is not None)
-    if not blocks:
-        raise ConfigError("dist.activation_checkpointing=true: the model declares no blocks to checkpoint; "
-                          "set dist.blocks to the class names of its repeated blocks")
-    return blocks
 
 
 def build_strategy(model: nn.Module, env: DistEnv, cfg: DistConfig, precision: Precision):

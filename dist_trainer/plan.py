@@ -15,7 +15,7 @@ from hydra.utils import instantiate
 
 from .config import Config, validate
 from .data import StepPlan, build_dataset
-from .parallel import block_names, find_blocks
+from .parallel import find_blocks
 from .precision import Precision
 
 MIB = 2**20
@@ -97,7 +97,7 @@ def plan_report(cfg: Config, world_size: int) -> str:
     no_sync = ("accum steps times that" if auto else f"{len(buckets) * plan.accum_steps}")
     state = expected_state_bytes(cfg, params, world_size)
     if cfg.dist.strategy == "fsdp":
-        units = len(find_blocks(model, block_names(model, cfg.dist.blocks), cfg.dist.blocks is not None)) + 1
+        units = len(find_blocks(model, cfg.dist.blocks)) + 1
         every = cfg.dist.fsdp.accum_sync == "every"
         comm = (f"  gradient reduce-scatters per optimizer step: {units * plan.accum_steps if every else units} "
                 f"(FSDP units: each block, then the root{', with every micro-batch' if every else ', once'}; "

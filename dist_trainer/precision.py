@@ -131,9 +131,18 @@ class ModelWeights:
         """(model parameter, its gradient) for every parameter that has one."""
         return [(p, p.grad) for p in self.params if p.grad is not None]
 
+    # True when the gradients are views of DDP's buckets (gradient_as_bucket_view): they are
+    # zeroed in place, so each backward accumulates straight into the bucket and no
+    # gradient-sized copy is ever allocated beside it. Only set where every parameter gets
+    # a gradient in every step (no find_unused_parameters), where zero and None are alike.
+    keep_grad_buffers = False
+
     def zero_grad(self) -> None:
         for p in self.params:
-            p.grad = None
+            if self.keep_grad_buffers and p.grad is not None:
+                p.grad.zero_()
+            else:
+                p.grad = None
 
     def after_step(self) -> None:
         pass

@@ -32,6 +32,7 @@ from .config import BatchPlan, OptimConfig, TrainerConfig
 from .data import Window
 from .distributed import DistEnv
 from .optim import lr_at, set_lr
+from .parallel import local_tensor
 from .precision import Precision
 
 log = logging.getLogger("dist_trainer")
@@ -303,11 +304,6 @@ class Trainer:
             )
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor: the local shard of a DTensor, else the tensor."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def state_bytes(strategy: Any, optimizer: torch.optim.Optimizer) -> int:
     """Bytes of model state this rank holds: parameters, gradients, optimizer state, FP32 masters.
 
@@ -322,7 +318,7 @@ def state_bytes(strategy: Any, optimizer: torch.optim.Optimizer) -> int:
             tensors += [v for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
     seen, total = set(), 0
     for t in tensors:
-        local = _local(t)
+        local = local_tensor(t)
         storage = local.untyped_storage()
         key = (storage.data_ptr(), local.device)
         if key not in seen:

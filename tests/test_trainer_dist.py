@@ -82,7 +82,8 @@ def test_one_allreduce_per_bucket_per_step_and_local_grads_differ_until_the_last
         assert accum4[rank]["calls"][-1] == accum4[rank]["buckets"] >= 1
     # Before micro-batches 2..4 each rank holds only its own partial sum: they differ.
     snaps0, snaps1 = accum4[0]["step2_snapshots"], accum4[1]["step2_snapshots"]
-    assert all(g is None for g in snaps0[0])  # zeroed at the start of the step
+    # zeroed at the start of the step: in place, as they are views of DDP's buckets (gradient_as_bucket_view)
+    assert all(g is not None and not g.any() for g in snaps0[0])
     for k in (1, 2, 3):
         assert not any(torch.equal(a, b) for a, b in zip(snaps0[k], snaps1[k]))
     # After the last backward they are all-reduced: bit-identical.
@@ -274,3 +275,29 @@ def test_random_transforms_in_loader_workers_differ_by_rank_seed_and_epoch():
     assert base == _worker_draws(seed=0, rank=0)  # reproducible
     for other in (_worker_draws(seed=0, rank=1), _worker_draws(seed=7, rank=0), _worker_draws(seed=0, rank=0, epoch=1)):
         assert other != base
+
+
+def _grad_storages_worker(rank, world_size, find_unused):
+    cfg = regression_config(micro=4, accum=2, steps=3)
+    cfg.dist.find_unused_parameters = find_unused
+    parts = build(cfg, validate(cfg, world_size), distributed.init("cpu"))
+    storages = []
+    for _, outcome in _steps(parts, 3):
+        assert not outcome.skipped
+        storages.append({p.grad.untyped_storage().data_ptr() for p in parts.trainer.module.parameters()})
+    buckets = len(parts.trainer.model._get_ddp_logging_data()["bucket_sizes"].split(","))
+    params = len(list(parts.trainer.module.parameters()))
+    del parts
+    gc.collect()
+    return storages, buckets, params
+
+
+def test_gradients_live_in_ddps_buckets_unless_parameters_may_go_unused(tmp_path):
+    """dist.gradient_as_bucket_view: every step's gradients are views of the (one, here) all-reduce bucket,
+    the same storage from step to step (zeroed in place); with find_unused_parameters each has its own."""
+    (storages, buckets, params), _ = run_ranks(_grad_storages_worker, 2, tmp_path / "views", False)
+    assert buckets == 1 and params == 4
+    # DDP rebuilds its buckets once, after the first step: from then on, the same storage every step
+    assert [len(s) for s in storages] == [1, 1, 1] and storages[1] == storages[2]
+    (storages, _, params), _ = run_ranks(_grad_storages_worker, 2, tmp_path / "unused", True)
+    assert all(len(s) == params for s in storages)
