@@ -6,9 +6,14 @@ and handed on as a plain ``Config``.
 
 from __future__ import annotations
 
+import io
+import json
 import logging
+import os
 import sys
+import time
 from pathlib import Path
+from typing import Optional, TextIO
 
 import hydra
 from hydra.core.config_store import ConfigStore
@@ -17,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 from . import distributed
-from .checkpoint import CheckpointError
+from .checkpoint import CheckpointError, CheckpointWriteError
 from .config import Config, ConfigError
 from .parallel import ConsistencyError
 from .precision import LossScaleError
@@ -45,8 +50,74 @@ def _console_on_main_only() -> None:
                 root.removeHandler(handler)
 
 
+class _Tee(io.TextIOBase):
+    """Keeps a copy of what is written, and passes it on to ``out`` (None: keeps it only)."""
+
+    def __init__(self, out: Optional[TextIO]):
+        self.out, self.kept = out, io.StringIO()
+
+    def write(self, text: str) -> int:
+        self.kept.write(text)
+        if self.out is not None:
+            self.out.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        if self.out is not None:
+            self.out.flush()
+
+
+_STDERR: dict = {}  # the real stderr while Hydra composes the config, before main() runs
+
+
+def _record_for_torchrun(err: BaseException) -> None:
+    """Write the error where torchrun reads it, so that its closing summary names the cause.
+
+    torchrun gives each worker TORCHELASTIC_ERROR_FILE; without it (a plain
+    process) there is nothing to write.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    # torch.distributed.elastic's error-file format. These errors are expected and say what to
+    # change, so the "traceback" torchrun prints is the message itself, not a call stack.
+    message = f"{type(err).__name__}: {err}"
+    record = {"message": {"message": message, "extraInfo": {"py_callstack": message,
+                                                            "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(record, f)
+    except OSError:
+        pass  # the error itself was logged; a summary without it is no reason to fail differently
+
+
+def entry() -> None:
+    """Hydra's own errors (an unknown key, a bad override) are printed by rank 0 alone, and recorded for torchrun.
+
+    Until main() runs, stderr goes through a tee: rank 0 prints it, the others
+    only keep it. If Hydra stops before main(), what it printed is the error.
+    """
+    real = sys.stderr
+    tee = _Tee(real if distributed.rank() == 0 else None)
+    _STDERR["real"] = real
+    sys.stderr = tee
+    try:
+        main()
+    except SystemExit as exit_:
+        if "real" in _STDERR and exit_.code not in (0, None):  # Hydra stopped before main()
+            lines = [line.strip() for line in tee.kept.getvalue().splitlines()
+                     if line.strip() and "HYDRA_FULL_ERROR" not in line]
+            _record_for_torchrun(ConfigError(" ".join(lines[:3]) if lines else f"exit status {exit_.code}"))
+        raise
+    finally:
+        sys.stderr = real
+        _STDERR.clear()
+
+
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(dict_cfg: DictConfig) -> None:
+    if "real" in _STDERR:  # our code runs from here: stderr as it was
+        sys.stderr = _STDERR.pop("real")
     from .run import train  # torch is imported after Hydra has parsed the command line
 
     _console_on_main_only()
@@ -54,6 +125,7 @@ def main(dict_cfg: DictConfig) -> None:
         cfg: Config = OmegaConf.to_object(dict_cfg)
     except MissingMandatoryValue as err:  # e.g. model=custom without model._target_
         log.error("%s must be set, e.g. %s=my_pkg.module.Name", err.full_key, err.full_key)
+        _record_for_torchrun(ConfigError(f"{err.full_key} must be set, e.g. {err.full_key}=my_pkg.module.Name"))
         sys.exit(2)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
@@ -63,8 +135,10 @@ def main(dict_cfg: DictConfig) -> None:
             print(plan_report(cfg, cfg.plan.world_size or distributed.world_size()))
             return
         train(cfg, run_dir)
-    except (ConfigError, LossScaleError, NonFiniteError, ConsistencyError, CheckpointError) as err:
+    except (ConfigError, LossScaleError, NonFiniteError, ConsistencyError, CheckpointError,
+            CheckpointWriteError) as err:
         log.error("%s", err)
+        _record_for_torchrun(err)
         sys.exit(2)
     except Preempted as err:
         log.warning("%s", err)
@@ -72,4 +146,4 @@ def main(dict_cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    entry()

@@ -180,20 +180,33 @@ def restore_rng(state: Dict[str, Any], device: torch.device) -> None:
 
 def save(run_dir: Path, step: int, shared: Dict[str, Any], env: DistEnv, keep: int,
          sharded: Optional[Dict[str, Any]] = None) -> Path:
-    """Write one checkpoint; every rank calls this (each writes its own RNG file, and its shards)."""
+    """Write one checkpoint; every rank calls this (each writes its own RNG file, and its shards).
+
+    Three phases, each ending with every rank learning whether any rank failed
+    in it: rank 0 makes the temporary directory; every rank writes its files;
+    rank 0 seals (manifest, rename) and prunes. A write that fails anywhere (a
+    full disk, a read-only directory, no permission) makes every rank raise the
+    same CheckpointWriteError after the partial directory is removed, so all
+    ranks stop alike and no earlier checkpoint is touched.
+    """
     root = checkpoint_dir(run_dir)
     final = root / f"{PREFIX}{step:08d}"
     tmp = root / f".tmp-{PREFIX}{step:08d}"
-    if env.is_main:
+
+    def make_tmp() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    dist.barrier()
-    _save_file(capture_rng(env.device), tmp / _rng_file(env.rank))
-    if sharded is not None:
-        save_shards(sharded, tmp / SHARDS)  # collective: each rank its own file, rank 0 the metadata
-    if env.is_main:
-        _save_file({"format": FORMAT_VERSION, "world_size": env.world_size, **shared}, tmp / "shared.pt")
-    dist.barrier()  # every rank's file is on disk before the manifest seals them
+
+    _phase(env, "creating the checkpoint directory", tmp, make_tmp if env.is_main else None, shared, sharded)
+
+    def write_files() -> None:
+        _save_file(capture_rng(env.device), tmp / _rng_file(env.rank))
+        if sharded is not None:
+            save_shards(sharded, tmp / SHARDS)  # collective: each rank its own file, rank 0 the metadata
+        if env.is_main:
+            _save_file({"format": FORMAT_VERSION, "world_size": env.world_size, **shared}, tmp / "shared.pt")
+
+    _phase(env, "writing the checkpoint files", tmp, write_files, shared, sharded)
     # The manifest names every file a resume needs, not what rank 0 happens to list:
     # a rank's RNG file it cannot see (run dir not shared by all nodes, or a stale
     # NFS directory cache) must stop the run, not seal a checkpoint without it.
@@ -205,13 +218,15 @@ def save(run_dir: Path, step: int, shared: Dict[str, Any], env: DistEnv, keep: i
             f"checkpoint {final.name}: rank 0 cannot see {', '.join(missing[0])} in {tmp}; every rank must "
             "write to the same run directory (set hydra.run.dir to storage all nodes share). Earlier "
             "checkpoints are untouched.")
-    if env.is_main:
+
+    def seal() -> None:
+        names = list(files)
         if sharded is not None:  # DCP's data files, one or more per rank
-            files += sorted(f"{SHARDS}/{p.name}" for p in (tmp / SHARDS).iterdir() if p.name != ".metadata")
+            names += sorted(f"{SHARDS}/{p.name}" for p in (tmp / SHARDS).iterdir() if p.name != ".metadata")
         manifest = {"step": step, "world_size": env.world_size, "format": FORMAT_VERSION,
                     "sharded": sharded is not None,
                     "files": {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
-                              for name in files}}
+                              for name in names}}
         with open(tmp / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=1)
             f.flush()
@@ -221,8 +236,73 @@ def save(run_dir: Path, step: int, shared: Dict[str, Any], env: DistEnv, keep: i
         os.replace(tmp, final)
         _fsync_dir(root)
         _prune(root, keep)
-    dist.barrier()
+
+    _phase(env, "sealing the checkpoint", tmp, seal if env.is_main else None, shared, sharded)
     return final
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written; the earlier ones are intact and the partial one is gone."""
+
+
+# What a failed write raises: the OS's errors, torch.save's (its zip writer reports a full
+# disk as a RuntimeError), and DCP's (which gathers every rank's failure).
+WRITE_ERRORS: Tuple[type, ...] = (OSError, RuntimeError)
+
+
+def _phase(env: DistEnv, what: str, tmp: Path, action: Optional[Any], shared: Dict[str, Any],
+           sharded: Optional[Dict[str, Any]]) -> None:
+    """Run this rank's part of one phase of a save; then every rank learns what failed anywhere."""
+    failure = None
+    if action is not None:
+        try:
+            action()
+        except WRITE_ERRORS as err:
+            failure = f"rank {env.rank}: {type(err).__name__}: {err}"
+    failures: List[Optional[str]] = [None] * env.world_size
+    dist.all_gather_object(failures, failure)
+    failed = [f for f in failures if f is not None]
+    if not failed:
+        return
+    message = [None]
+    if env.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)  # the partial checkpoint: debris that would fill the disk again
+        message = [_write_failure(what, tmp, failed, shared, sharded, env.world_size)]
+    dist.broadcast_object_list(message, src=0)
+    raise CheckpointWriteError(message[0])
+
+
+def _write_failure(what: str, tmp: Path, failed: List[str], shared: Dict[str, Any],
+                   sharded: Optional[Dict[str, Any]], world_size: int) -> str:
+    root = tmp.parent
+    intact = list_checkpoints(root)
+    if intact:
+        manifest = json.loads((intact[0] / MANIFEST).read_text())
+        need = sum(meta["bytes"] for meta in manifest["files"].values())  # as big as the last one
+    else:
+        need = _tensor_bytes(shared) + world_size * _tensor_bytes(sharded or {})
+    try:
+        left = shutil.disk_usage(root).free
+        free = (f"{left / 2**20:,.1f} MiB are free there" + (" (the disk is full)" if left < need else ""))
+    except OSError:
+        free = "the free space there cannot be read"
+    return (f"checkpoint {tmp.name.replace('.tmp-', '')} failed while {what} in {root}: " + "; ".join(failed)
+            + f". A checkpoint needs about {need / 2**20:,.1f} MiB; {free}. The partial checkpoint was removed; "
+            + (f"the newest intact one is {intact[0].name}, untouched" if intact else "no earlier checkpoint exists")
+            + ". Free space or make the directory writable (or set hydra.run.dir elsewhere, or lower "
+            "trainer.keep_checkpoints), then start the run again in the same directory: it resumes from there.")
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors in a nested structure (this rank's part of a DTensor)."""
+    if isinstance(obj, torch.Tensor):
+        local = obj.to_local() if hasattr(obj, "to_local") else obj
+        return local.numel() * local.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
 
 
 def _prune(root: Path, keep: int) -> None:
@@ -289,6 +369,34 @@ def _newest_valid(root: Path) -> tuple[Optional[Path], List[str], Dict[str, Any]
         log.warning("checkpoint %s is unusable (%s); trying the previous one", path, problem)
         problems.append(f"{path.name}: {problem}")
     return None, problems, {}
+
+
+def clean_up(run_dir: Path, keep: int) -> None:
+    """At start (rank 0): remove this run's stale temporary checkpoints and prune beyond ``keep``.
+
+    A temporary directory is never a checkpoint (it was not sealed): a write
+    that died left it, and it would take the space the next checkpoint needs.
+    Sealed checkpoints older than the ``keep``-th newest valid one are removed;
+    so nothing valid goes unless ``keep`` newer valid ones exist, and newer
+    unusable ones stay for inspection.
+    """
+    root = checkpoint_dir(run_dir)
+    if not root.is_dir():
+        return
+    for stale in root.glob(f".tmp-{PREFIX}*"):
+        log.warning("removing %s, a checkpoint that was never sealed (its write did not finish)", stale)
+        shutil.rmtree(stale, ignore_errors=True)
+    sealed = list_checkpoints(root)
+    if len(sealed) <= keep:
+        return
+    valid = 0
+    for i, path in enumerate(sealed):
+        valid += verify(path) is None
+        if valid == keep:
+            for old in sealed[i + 1:]:
+                log.info("removing %s: %d newer valid checkpoints are kept (trainer.keep_checkpoints)", old, keep)
+                shutil.rmtree(old, ignore_errors=True)
+            return
 
 
 def load_latest(run_dir: Path, env: DistEnv) -> Optional[Tuple[Dict[str, Any], Optional[Dict[str, Any]], Path]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -152,7 +153,7 @@ def _train(cfg: Config, plan: BatchPlan, env: DistEnv, run_dir: Path) -> Dict[st
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         log.info(startup_report(plan, env, cfg, model, parts.step_plan, run_dir))
-    position = resume(parts, plan, env, run_dir, cfg.trainer.seed)
+    position = resume(parts, plan, env, run_dir, cfg.trainer.seed, cfg.trainer.keep_checkpoints)
     outputs = Outputs(run_dir, env.is_main, cfg.logger, plan.max_steps, position.step, cfg.trainer.log_every)
     stop = StopRequest()
     try:
@@ -161,13 +162,33 @@ def _train(cfg: Config, plan: BatchPlan, env: DistEnv, run_dir: Path) -> Dict[st
         stop.close()
         outputs.close()
     final = parts.trainer.strategy.full_state_dict()  # every rank takes part; under fsdp rank 0 gets it whole
-    if env.is_main:
-        torch.save(final, run_dir / "final_model.pt")
+    save_final_model(final, run_dir, env, position.step)
     return summary
 
 
-def resume(parts: Parts, plan: BatchPlan, env: DistEnv, run_dir: Path, seed: int) -> Position:
+def save_final_model(state: Dict[str, torch.Tensor], run_dir: Path, env: DistEnv, step: int) -> None:
+    """Rank 0 writes final_model.pt (whole or not at all); every rank learns whether it could."""
+    failure: list = [None]
+    if env.is_main:
+        path, tmp = run_dir / "final_model.pt", run_dir / ".tmp-final_model.pt"
+        try:
+            torch.save(state, tmp)
+            os.replace(tmp, path)
+        except checkpoint.WRITE_ERRORS as err:
+            tmp.unlink(missing_ok=True)
+            failure = [f"{type(err).__name__}: {err}"]
+    dist.broadcast_object_list(failure, src=0)
+    if failure[0]:
+        raise checkpoint.CheckpointWriteError(
+            f"final_model.pt could not be written in {run_dir} ({failure[0]}). Training finished and the "
+            f"checkpoint of step {step} is intact: free space or make the directory writable, then start the run "
+            "again in the same directory; it resumes at its end and writes final_model.pt.")
+
+
+def resume(parts: Parts, plan: BatchPlan, env: DistEnv, run_dir: Path, seed: int, keep: int = 3) -> Position:
     """Load the newest valid checkpoint of the run directory, if there is one."""
+    if env.is_main:
+        checkpoint.clean_up(run_dir, keep)
     loaded = checkpoint.load_latest(run_dir, env)
     if loaded is None:
         return Position()
