@@ -19,4 +19,5 @@ def _quiet_single_thread_env(monkeypatch):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: longer than the default suite allows; run with -m slow")
+    config.addinivalue_line("markers", "slurm: starts a real one-node Slurm cluster (installs it as root if missing)")
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
