@@ -123,9 +123,11 @@ def main(dict_cfg: DictConfig) -> None:
     _console_on_main_only()
     try:
         cfg: Config = OmegaConf.to_object(dict_cfg)
-    except MissingMandatoryValue as err:  # e.g. model=custom without model._target_
-        log.error("%s must be set, e.g. %s=my_pkg.module.Name", err.full_key, err.full_key)
-        _record_for_torchrun(ConfigError(f"{err.full_key} must be set, e.g. {err.full_key}=my_pkg.module.Name"))
+    except MissingMandatoryValue as err:  # e.g. model=custom without model._target_, data=tokens without data.path
+        example = "my_pkg.module.Name" if err.full_key.endswith("_target_") else "..."
+        message = f"{err.full_key} must be set, e.g. {err.full_key}={example}"
+        log.error("%s", message)
+        _record_for_torchrun(ConfigError(message))
         sys.exit(2)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:

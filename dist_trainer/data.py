@@ -25,6 +25,7 @@ import signal
 from typing import Any, Dict, Iterator, List
 
 import torch
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from torch.utils.data import DataLoader, Dataset, Sampler
 
@@ -39,7 +40,14 @@ Window = List[List[int]]
 def build_dataset(node: Dict[str, Any], **overrides: Any) -> Dataset:
     kwargs = {k: v for k, v in node.items() if k not in LOADER_KEYS and k != "_target_"}
     kwargs.update(overrides)
-    dataset = instantiate({"_target_": node["_target_"]}, **kwargs, _convert_="all")
+    try:
+        dataset = instantiate({"_target_": node["_target_"]}, **kwargs, _convert_="all")
+    except InstantiationException as err:
+        if isinstance(err.__cause__, ConfigError):  # the dataset's own check, naming the key: as it is
+            raise err.__cause__ from None
+        raise
+    if dataset is None and overrides.get("split") == "val":
+        return None  # the dataset has no held-out part (data=tokens without data.val_path)
     if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
         raise TypeError(f"data._target_={node['_target_']} must return a map-style Dataset (with __len__ and __getitem__)")
     return dataset
