@@ -141,6 +141,10 @@ class SlurmCluster:
                 return field.split("=", 1)[1]
         return "UNKNOWN"
 
+    def slurmd_log(self) -> str:
+        path = self.root / "log" / "slurmd.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
     def _wait(self, predicate, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
         while not predicate():

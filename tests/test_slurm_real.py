@@ -94,8 +94,11 @@ def test_sbatch_on_real_slurm_trains_is_preempted_requeued_and_resumes_bit_ident
     assert not (run_dir / "final_model.pt").exists()
 
     # 2. The requeued job: started at once, resumes in the same run directory, and finishes.
-    _wait(lambda: cluster.job_state(job) in ("PENDING", "REQUEUED", "RUNNING", "COMPLETED"), 60,
-          "the requeued job", cluster, job, output)
+    # Released only once slurmd itself says the first run's step is done, which can be seconds after
+    # the batch script ended and the job shows PENDING (held by Slurm's requeue delay): released
+    # earlier, slurmd refuses to launch it ("Job already killed") and the job fails.
+    _wait(lambda: cluster.job_state(job) == "PENDING" and f"[{job}.0] done with job" in cluster.slurmd_log(),
+          120, "the first run's step to be done on the node", cluster, job, output)
     cluster.scontrol("update", f"JobId={job}", "StartTime=now")
     _wait(lambda: cluster.job_state(job) == "COMPLETED", 240, "the requeued job to complete", cluster, job, output)
     text = output.read_text(errors="replace")
