@@ -6,10 +6,11 @@ accum 2 = global 64, fp32, AdamW (lr 2e-3, betas 0.9/0.95, weight decay 0.1 on
 matrices and embeddings only), grad clip 1.0 and a constant lr.
 
 The data order is dist_trainer's (written again here, not imported, so the
-hand-written loop depends on nothing of the framework's but the model and the
-dataset): each epoch is one permutation seeded with ``seed + epoch``, cut into
-global batches; sample j of a step goes to rank j % world, and each rank cuts
-its share into micro-batches.
+hand-written loop depends on nothing of the framework's but the model, the
+dataset and the permutation ``dist_trainer.data.SampleOrder``, keyed by
+``hash_key(seed, epoch)``): each epoch's permutation is cut into global
+batches; sample j of a step goes to rank j % world, and each rank cuts its
+share into micro-batches.
 """
 
 from __future__ import annotations
@@ -86,12 +87,16 @@ def rank_micro_batches(num_samples: int, rank: int, world: int, steps: int, seed
     Only full global batches are used (the benchmarks stay inside the first
     epochs' full steps, where dist_trainer's order is exactly this).
     """
+    import numpy as np
+
+    from dist_trainer.data import SampleOrder, hash_key
+
     glob = micro * accum * world
     per_epoch = num_samples // glob
     out: List[List[int]] = []
     epoch = 0
     while len(out) < steps * accum:
-        order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        order = SampleOrder(num_samples, hash_key(seed, epoch))(np.arange(num_samples)).tolist()
         for step in range(per_epoch):
             mine = order[step * glob:(step + 1) * glob][rank::world]
             out.extend(mine[i:i + micro] for i in range(0, len(mine), micro))

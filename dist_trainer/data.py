@@ -2,7 +2,10 @@
 
 The order is planned per optimizer step, not per rank. Each epoch has one
 seeded permutation of the dataset (the same whatever the world size), cut into
-global batches of ``global_batch_size`` samples. Sample j of a step goes to rank
+global batches of ``global_batch_size`` samples. The permutation is a keyed
+bijection evaluated position by position (``SampleOrder``), never built: an
+epoch starts, and a run resumes at any step, at the same cost for ten samples
+or a billion, and a step costs what its own samples cost. Sample j of a step goes to rank
 j % world_size, and each rank cuts its share into micro-batches. So the set of
 samples in a step does not depend on how it is split over ranks and
 micro-batches: that is what lets any split reproduce the one-big-batch update.
@@ -22,8 +25,9 @@ from __future__ import annotations
 import hashlib
 import math
 import signal
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, Iterator, List, Optional
 
+import numpy as np
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
@@ -79,50 +83,108 @@ class StepPlan:
         full, rest = divmod(self.num_samples, self.plan.global_batch_size)
         return full + (1 if rest and not self.drop_last else 0)
 
+    def sample_order(self, epoch: int) -> "SampleOrder":
+        """Position in the epoch -> sample index: a seeded bijection, computed on the fly (O(1) to start)."""
+        return SampleOrder(self.num_samples, hash_key(self.seed, epoch) if self.shuffle else None)
+
     def order(self, epoch: int) -> torch.Tensor:
-        if not self.shuffle:
-            return torch.arange(self.num_samples)
-        generator = torch.Generator().manual_seed(self.seed + epoch)
-        return torch.randperm(self.num_samples, generator=generator)
+        """The whole epoch's order, materialised (for inspection and tests; training never builds it)."""
+        return torch.from_numpy(self.sample_order(epoch)(np.arange(self.num_samples)))
+
+    def micro_batches(self, step: int) -> int:
+        """Micro-batches every rank runs in step ``step`` of an epoch: rank 0's count (it gets the most)."""
+        glob, world, micro = self.plan.global_batch_size, self.plan.world_size, self.plan.micro_batch_size
+        size = min(glob, self.num_samples - step * glob)
+        return max(1, math.ceil(math.ceil(size / world) / micro))
 
     def windows(self, epoch: int, start_step: int = 0) -> Iterator[Window]:
-        """This rank's windows for the epoch, from optimizer step ``start_step`` on."""
-        order = self.order(epoch).tolist()
+        """This rank's windows for the epoch, from optimizer step ``start_step`` on, each computed when asked."""
+        order = self.sample_order(epoch)
         glob, world, micro = self.plan.global_batch_size, self.plan.world_size, self.plan.micro_batch_size
         for step in range(start_step, self.steps_per_epoch):
-            samples = order[step * glob:(step + 1) * glob]
-            mine = samples[self.rank::world]
+            begin = step * glob
+            size = min(glob, self.num_samples - begin)
+            # Positions rank, rank + world, ... of the step: sample j of a step goes to rank j % world.
+            mine = order(np.arange(begin + self.rank, begin + size, world)).tolist()
             # Rank 0's count of micro-batches, on every rank: the missing ones are
             # empty, i.e. placeholders (only in a short last step).
-            rank0_samples = math.ceil(len(samples) / world)
-            count = max(1, math.ceil(rank0_samples / micro))
-            yield [mine[i * micro:(i + 1) * micro] for i in range(count)]
+            yield [mine[i * micro:(i + 1) * micro] for i in range(self.micro_batches(step))]
+
+
+class SampleOrder:
+    """A seeded permutation of ``range(n)``, evaluated position by position: nothing is materialised.
+
+    A balanced Feistel network (6 rounds of a splitmix64 mix, keyed by
+    ``key``) permutes ``[0, 2**bits)`` for the smallest even ``bits`` with
+    ``2**bits >= n``; cycle walking (encrypt again while the result is >= n)
+    turns that into a permutation of ``[0, n)``, at most 4 encryptions per
+    position on average. Pure integer arithmetic on uint64: the same order on
+    every rank and machine. ``key=None``: the identity (no shuffle).
+    """
+
+    ROUNDS = 6
+
+    def __init__(self, n: int, key: Optional[int]):
+        self.n, self.key = n, key
+        bits = max(2, (n - 1).bit_length())
+        bits += bits % 2
+        self.half = np.uint64(bits // 2)
+        self.mask = np.uint64((1 << (bits // 2)) - 1)
+        self.keys = [np.uint64(hash_key(key, r)) for r in range(self.ROUNDS)] if key is not None else []
+
+    @staticmethod
+    def _mix(z: np.ndarray) -> np.ndarray:
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+    def _encrypt(self, x: np.ndarray) -> np.ndarray:
+        left, right = x >> self.half, x & self.mask
+        for k in self.keys:
+            left, right = right, left ^ (self._mix(right ^ k) & self.mask)
+        return (left << self.half) | right
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        x = np.asarray(positions, dtype=np.uint64)
+        if self.key is None or x.size == 0:
+            return x.astype(np.int64)
+        with np.errstate(over="ignore"):  # the mix multiplies modulo 2**64 on purpose
+            x = self._encrypt(x)
+            outside = x >= self.n
+            while outside.any():
+                x[outside] = self._encrypt(x[outside])
+                outside = x >= self.n
+        return x.astype(np.int64)
 
 
 class _MicroBatchSampler(Sampler[List[int]]):
-    """Feeds the DataLoader one micro-batch of indices at a time, in window order."""
+    """Feeds the DataLoader one micro-batch of indices at a time, in window order, computed as it goes."""
 
-    def __init__(self, windows: List[Window], placeholder_index: int):
-        self.windows, self.placeholder_index = windows, placeholder_index
+    def __init__(self, step_plan: StepPlan, epoch: int, start_step: int, placeholder_index: int):
+        self.step_plan, self.epoch, self.start_step = step_plan, epoch, start_step
+        self.placeholder_index = placeholder_index
 
     def __iter__(self) -> Iterator[List[int]]:
-        for window in self.windows:
+        for window in self.step_plan.windows(self.epoch, self.start_step):
             for indices in window:
                 yield indices or [self.placeholder_index]
 
     def __len__(self) -> int:
-        return sum(len(w) for w in self.windows)
+        plan, steps = self.step_plan, self.step_plan.steps_per_epoch
+        if steps <= self.start_step:
+            return 0
+        # Every step but the last holds a full global batch: accum_steps micro-batches.
+        return (steps - 1 - self.start_step) * plan.plan.accum_steps + plan.micro_batches(steps - 1)
 
 
 def epoch_batches(dataset: Dataset, step_plan: StepPlan, epoch: int, start_step: int,
                   num_workers: int, pin_memory: bool) -> Iterator[tuple[Window, List[Any]]]:
     """Yield (window, its collated micro-batches) for each remaining step of an epoch."""
-    windows = list(step_plan.windows(epoch, start_step))
-    loader = DataLoader(dataset, batch_sampler=_MicroBatchSampler(windows, 0), num_workers=num_workers,
-                        pin_memory=pin_memory, worker_init_fn=_ignore_stop_signals,
+    loader = DataLoader(dataset, batch_sampler=_MicroBatchSampler(step_plan, epoch, start_step, 0),
+                        num_workers=num_workers, pin_memory=pin_memory, worker_init_fn=_ignore_stop_signals,
                         generator=_own_generator(step_plan.seed, step_plan.rank, epoch, start_step))
     batches = iter(loader)
-    for window in windows:
+    for window in step_plan.windows(epoch, start_step):  # the sampler's windows, computed again: cheap
         yield window, [next(batches) for _ in window]
 
 

@@ -282,7 +282,7 @@ class Background:
 FP16 = TINY + ["precision=fp16-mixed", "precision.loss_scale.growth_interval=3", "model.dropout=0.1",
                "batch.global_batch_size=32", "batch.micro_batch_size=8", "optim.warmup_steps=10",
                "optim.schedule=constant", "trainer.ckpt_every=0"]
-FP16_K, FP16_STEPS = 5, 10
+FP16_K, FP16_STEPS = 5, 12  # with this data order: a skip at step 4 (before the stop) and at 11 (after)
 SMALL = TINY + ["batch.global_batch_size=16", "batch.micro_batch_size=8"]  # one process: accum 2
 KEEP = SMALL + ["trainer.max_steps=10", "trainer.ckpt_every=2", "trainer.keep_checkpoints=2"]
 CORRUPT = SMALL + ["trainer.max_steps=8", "trainer.ckpt_every=2", "trainer.keep_checkpoints=4"]
