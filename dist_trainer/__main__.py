@@ -68,6 +68,7 @@ class _Tee(io.TextIOBase):
 
 
 _STDERR: dict = {}  # the real stderr while Hydra composes the config, before main() runs
+HYDRA_ERROR_GRACE_S = 10.0
 
 
 def _record_for_torchrun(err: BaseException) -> None:
@@ -108,6 +109,10 @@ def entry() -> None:
             lines = [line.strip() for line in tee.kept.getvalue().splitlines()
                      if line.strip() and "HYDRA_FULL_ERROR" not in line]
             _record_for_torchrun(ConfigError(" ".join(lines[:3]) if lines else f"exit status {exit_.code}"))
+            if distributed.rank() != 0:
+                # torchrun stops every worker once one exits: leave rank 0 the time to print the error
+                # (the same one: it comes from the same command line) before this rank's exit.
+                time.sleep(HYDRA_ERROR_GRACE_S)
         raise
     finally:
         sys.stderr = real

@@ -145,6 +145,15 @@ class SlurmCluster:
         path = self.root / "log" / "slurmd.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
+    def logged_at(self, text: str) -> float:
+        """When slurmd logged a line holding ``text`` (seconds since the epoch); +inf if it has not."""
+        from datetime import datetime
+
+        for line in self.slurmd_log().splitlines():
+            if text in line and line.startswith("["):
+                return datetime.strptime(line[1:line.index("]")], "%Y-%m-%dT%H:%M:%S.%f").timestamp()
+        return float("inf")
+
     def _wait(self, predicate, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
         while not predicate():

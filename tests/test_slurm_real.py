@@ -97,8 +97,11 @@ def test_sbatch_on_real_slurm_trains_is_preempted_requeued_and_resumes_bit_ident
     # Released only once slurmd itself says the first run's step is done, which can be seconds after
     # the batch script ended and the job shows PENDING (held by Slurm's requeue delay): released
     # earlier, slurmd refuses to launch it ("Job already killed") and the job fails.
-    _wait(lambda: cluster.job_state(job) == "PENDING" and f"[{job}.0] done with job" in cluster.slurmd_log(),
-          120, "the first run's step to be done on the node", cluster, job, output)
+    # And a credential's times have a resolution of one second: a launch within the second in which
+    # the old one was revoked (when the batch step ended) is refused too.
+    _wait(lambda: cluster.job_state(job) == "PENDING" and f"[{job}.0] done with job" in cluster.slurmd_log()
+          and time.time() > cluster.logged_at(f"[{job}.batch] done with job") + 2,
+          120, "the first run's steps to be done on the node", cluster, job, output)
     cluster.scontrol("update", f"JobId={job}", "StartTime=now")
     _wait(lambda: cluster.job_state(job) == "COMPLETED", 240, "the requeued job to complete", cluster, job, output)
     text = output.read_text(errors="replace")
