@@ -146,7 +146,8 @@ def _save_file(obj: Any, path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """The sha256 of a file, read in 1 MiB blocks."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -225,7 +226,7 @@ def save(run_dir: Path, step: int, shared: Dict[str, Any], env: DistEnv, keep: i
             names += sorted(f"{SHARDS}/{p.name}" for p in (tmp / SHARDS).iterdir() if p.name != ".metadata")
         manifest = {"step": step, "world_size": env.world_size, "format": FORMAT_VERSION,
                     "sharded": sharded is not None,
-                    "files": {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+                    "files": {name: {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
                               for name in names}}
         with open(tmp / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=1)
@@ -333,7 +334,7 @@ def _read_verified(path: Path) -> tuple[Optional[str], Dict[str, Any]]:
                 return f"{name} is missing", {}
             if file.stat().st_size != meta["bytes"]:
                 return f"{name} has {file.stat().st_size} bytes, the manifest says {meta['bytes']}", {}
-            if _sha256(file) != meta["sha256"]:
+            if sha256_file(file) != meta["sha256"]:
                 return f"{name} does not match its sha256", {}
         absent = [name for name in _needed_files(manifest["world_size"], manifest.get("sharded", False))
                   if name not in manifest["files"]]

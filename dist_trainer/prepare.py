@@ -37,6 +37,8 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .checkpoint import sha256_file
+
 BYTES_EOT = 256
 CHUNK_DOCS = 256  # documents per task sent to a worker
 
@@ -159,14 +161,6 @@ def held_out(index: int, fraction: float) -> bool:
     return int.from_bytes(digest[:8], "little") / 2**64 < fraction
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def prepare(files: Sequence[Path], out: Path, tokenizer_spec: str, val_fraction: float = 0.0,
             workers: int = 1, text_key: str = "text", split_lines: bool = False, force: bool = False,
             progress: bool = True) -> dict:
@@ -218,8 +212,8 @@ def prepare(files: Sequence[Path], out: Path, tokenizer_spec: str, val_fraction:
         meta = {"tokenizer": tokenizer.name, "dtype": np.dtype(dtype).name, "vocab_size": tokenizer.vocab_size,
                 "eot_id": int(tokenizer.eot), "inputs": [str(f) for f in files],
                 "train": {"tokens": counts["train"][0], "documents": counts["train"][1],
-                          "sha256": _sha256(tmp / "train.bin")},
-                "val": {"tokens": counts["val"][0], "documents": counts["val"][1], "sha256": _sha256(tmp / "val.bin")},
+                          "sha256": sha256_file(tmp / "train.bin")},
+                "val": {"tokens": counts["val"][0], "documents": counts["val"][1], "sha256": sha256_file(tmp / "val.bin")},
                 "val_fraction": val_fraction, "characters": chars, "seconds": seconds,
                 "tokens_per_s": (counts["train"][0] + counts["val"][0]) / max(seconds, 1e-9)}
         with open(tmp / "meta.json", "w") as f:
