@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any, ContextManager, Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict,
@@ -130,8 +129,7 @@ class FSDPStrategy:
             fully_shard(block, mesh=mesh, reshard_after_forward=cfg.fsdp.reshard_after_forward, mp_policy=policy)
         fully_shard(model, mesh=mesh, reshard_after_forward=cfg.fsdp.reshard_after_forward, mp_policy=policy)
         self.counter = CommCounter()
-        self.units: List[FSDPModule] = [m for m in model.modules() if isinstance(m, FSDPModule)]
-        for unit in self.units:
+        for unit in [m for m in model.modules() if isinstance(m, FSDPModule)]:
             unit.set_custom_all_gather(_CountingAllGather(self.counter))
             unit.set_custom_reduce_scatter(_CountingReduceScatter(self.counter))
         if cfg.find_unused_parameters:
@@ -140,7 +138,6 @@ class FSDPStrategy:
         self.model = self.module = model
         self.root: FSDPModule = model  # type: ignore[assignment]
         self.accum_sync = cfg.fsdp.accum_sync
-        self.num_blocks = len(blocks)
         self.weights = ShardedWeights(model)
 
     def micro_batch(self, last: bool) -> ContextManager:
