@@ -20,7 +20,7 @@ NONFINITE_POLICIES = ("stop", "skip")
 STRATEGIES = ("ddp", "fsdp")
 ACCUM_SYNCS = ("last", "every")
 # Keys of the data node that the framework owns; they never reach the dataset.
-LOADER_KEYS = ("shuffle", "drop_last", "num_workers")
+LOADER_KEYS = ("shuffle", "drop_last", "num_workers", "prefetch_factor")
 
 
 class ConfigError(ValueError):
@@ -283,6 +283,9 @@ def _validate_values(cfg: Config) -> None:
     _check(isinstance(data.get("drop_last", False), bool), "data.drop_last", data.get("drop_last"), "must be true or false")
     workers = data.get("num_workers", 0)
     _check(isinstance(workers, int) and workers >= 0, "data.num_workers", workers, "must be an integer >= 0")
+    prefetch = data.get("prefetch_factor")
+    _check(prefetch is None or (isinstance(prefetch, int) and prefetch >= 1), "data.prefetch_factor", prefetch,
+           "must be null (2 per worker) or an integer >= 1 (micro-batches each DataLoader worker keeps ready)")
 
 
 def validate(cfg: Config, world_size: int) -> BatchPlan:

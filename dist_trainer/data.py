@@ -157,17 +157,24 @@ class SampleOrder:
         return x.astype(np.int64)
 
 
-class _MicroBatchSampler(Sampler[List[int]]):
-    """Feeds the DataLoader one micro-batch of indices at a time, in window order, computed as it goes."""
+class _MicroBatchSampler(Sampler[List[tuple]]):
+    """Feeds the DataLoader one micro-batch of keys at a time, in window order, computed as it goes.
+
+    A key is ``(epoch, start_step, index)``: it travels to the DataLoader
+    worker with the index, so a worker that lives across epochs knows which
+    epoch (and which resumed start) a sample belongs to. ``epoch`` and
+    ``start_step`` are set by :class:`TrainLoader` before each pass.
+    """
 
     def __init__(self, step_plan: StepPlan, epoch: int, start_step: int, placeholder_index: int):
         self.step_plan, self.epoch, self.start_step = step_plan, epoch, start_step
         self.placeholder_index = placeholder_index
 
-    def __iter__(self) -> Iterator[List[int]]:
-        for window in self.step_plan.windows(self.epoch, self.start_step):
+    def __iter__(self) -> Iterator[List[tuple]]:
+        epoch, start = self.epoch, self.start_step
+        for window in self.step_plan.windows(epoch, start):
             for indices in window:
-                yield indices or [self.placeholder_index]
+                yield [(epoch, start, i) for i in (indices or [self.placeholder_index])]
 
     def __len__(self) -> int:
         plan, steps = self.step_plan, self.step_plan.steps_per_epoch
@@ -177,15 +184,75 @@ class _MicroBatchSampler(Sampler[List[int]]):
         return (steps - 1 - self.start_step) * plan.plan.accum_steps + plan.micro_batches(steps - 1)
 
 
+class _Keyed(Dataset):
+    """The dataset as the training loader sees it: items by ``(epoch, start_step, index)`` keys.
+
+    A dataset that declares ``keyed_by_epoch`` (its items depend on the epoch,
+    e.g. masked-LM masks) gets ``(epoch, index)``; any other gets ``index``.
+    In a DataLoader worker the process RNGs (torch, random, numpy) are
+    reseeded when the first sample of a new pass arrives: workers persist
+    across epochs, and random transforms must still differ by epoch, rank and
+    trainer.seed. In the main process (data.num_workers=0) nothing is
+    reseeded: the samples draw from the main RNG, which checkpoints restore.
+    """
+
+    def __init__(self, dataset: Dataset, seed: int, rank: int):
+        self.dataset, self.seed, self.rank = dataset, seed, rank
+        self.by_epoch = bool(getattr(dataset, "keyed_by_epoch", False))
+        self._pass: Optional[tuple] = None
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple) -> Any:
+        epoch, start, index = key
+        if self._pass != (epoch, start):
+            self._pass = (epoch, start)
+            worker = torch.utils.data.get_worker_info()
+            if worker is not None:
+                _seed_process(hash_key(1_000_003, self.seed, self.rank, epoch, start, worker.id))
+        return self.dataset[(epoch, index) if self.by_epoch else index]
+
+
+def _seed_process(seed: int) -> None:
+    import random
+
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+
+
+class TrainLoader:
+    """One DataLoader for the whole run: its workers start once and serve every epoch.
+
+    With ``num_workers > 0`` the workers persist (a new epoch, or the pass
+    after a resume, reuses them), each keeps ``prefetch_factor`` micro-batches
+    ready, and batches land in pinned memory on CUDA so the copy to the device
+    can be asynchronous.
+    """
+
+    def __init__(self, dataset: Dataset, step_plan: StepPlan, num_workers: int = 0, pin_memory: bool = False,
+                 prefetch_factor: Optional[int] = None):
+        self.step_plan = step_plan
+        self.sampler = _MicroBatchSampler(step_plan, 0, 0, 0)
+        workers = {"persistent_workers": True, "prefetch_factor": prefetch_factor or 2} if num_workers else {}
+        self.loader = DataLoader(_Keyed(dataset, step_plan.seed, step_plan.rank), batch_sampler=self.sampler,
+                                 num_workers=num_workers, pin_memory=pin_memory, worker_init_fn=_ignore_stop_signals,
+                                 generator=_own_generator(step_plan.seed, step_plan.rank), **workers)
+
+    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[tuple[Window, List[Any]]]:
+        """Yield (window, its collated micro-batches) for each remaining step of ``epoch``."""
+        self.sampler.epoch, self.sampler.start_step = epoch, start_step
+        batches = iter(self.loader)
+        for window in self.step_plan.windows(epoch, start_step):  # the sampler's windows, computed again: cheap
+            yield window, [next(batches) for _ in window]
+
+
 def epoch_batches(dataset: Dataset, step_plan: StepPlan, epoch: int, start_step: int,
                   num_workers: int, pin_memory: bool) -> Iterator[tuple[Window, List[Any]]]:
-    """Yield (window, its collated micro-batches) for each remaining step of an epoch."""
-    loader = DataLoader(dataset, batch_sampler=_MicroBatchSampler(step_plan, epoch, start_step, 0),
-                        num_workers=num_workers, pin_memory=pin_memory, worker_init_fn=_ignore_stop_signals,
-                        generator=_own_generator(step_plan.seed, step_plan.rank, epoch, start_step))
-    batches = iter(loader)
-    for window in step_plan.windows(epoch, start_step):  # the sampler's windows, computed again: cheap
-        yield window, [next(batches) for _ in window]
+    """One epoch's (window, micro-batches) from a loader of its own (tests and benchmarks)."""
+    loader = TrainLoader(dataset, step_plan, num_workers, pin_memory)
+    yield from loader.epoch(epoch, start_step)
 
 
 def eval_loader(dataset: Dataset, micro_batch_size: int, max_batches: int, rank: int,
@@ -195,7 +262,7 @@ def eval_loader(dataset: Dataset, micro_batch_size: int, max_batches: int, rank:
     indices = list(range(rank, count, world_size))  # no padding: nothing counted twice
     batches = [indices[i:i + micro_batch_size] for i in range(0, len(indices), micro_batch_size)]
     return DataLoader(dataset, batch_sampler=batches, num_workers=num_workers, generator=_own_generator(-1, rank),
-                      worker_init_fn=_ignore_stop_signals)
+                      worker_init_fn=_ignore_stop_signals, persistent_workers=num_workers > 0)
 
 
 def _ignore_stop_signals(worker_id: int) -> None:
@@ -211,17 +278,14 @@ def _ignore_stop_signals(worker_id: int) -> None:
 
 
 def _own_generator(*key: int) -> torch.Generator:
-    """The generator a DataLoader draws its workers' base seed from, seeded by ``key``.
+    """The generator a DataLoader draws its base seed from, seeded by ``key``.
 
-    Without its own generator a DataLoader draws that seed from the global RNG,
-    which would shift dropout's random stream whenever a loader starts, and a
-    resumed run (which starts one mid-epoch) would differ. The key holds
-    trainer.seed, the rank, the epoch and the step the loader starts at, so
-    random transforms run in workers (data.num_workers > 0) differ between
-    ranks, seeds and epochs. A resumed epoch's workers start new streams: the
-    samples and their order continue exactly, random transforms in workers do
-    not (with data.num_workers=0 they run on the main process's RNG, which
-    checkpoints save and restore).
+    Without its own generator a DataLoader draws that seed from the global RNG
+    each time it is iterated, which would shift dropout's random stream, and a
+    resumed run would differ. (The training loader's workers are reseeded per
+    pass by ``_Keyed`` from trainer.seed, the rank, the epoch and the start
+    step: a resumed epoch's workers start new streams, the samples and their
+    order continue exactly.)
     """
     return torch.Generator().manual_seed(hash_key(1_000_003, *key))
 

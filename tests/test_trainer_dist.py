@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -275,6 +276,39 @@ def test_random_transforms_in_loader_workers_differ_by_rank_seed_and_epoch():
     assert base == _worker_draws(seed=0, rank=0)  # reproducible
     for other in (_worker_draws(seed=0, rank=1), _worker_draws(seed=7, rank=0), _worker_draws(seed=0, rank=0, epoch=1)):
         assert other != base
+
+
+class WorkerPid(torch.utils.data.Dataset):
+    """Each item is the pid of the process that loaded it, and the key it was asked for."""
+
+    keyed_by_epoch = True
+
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, key):
+        epoch, index = key
+        return torch.tensor([os.getpid(), epoch, index])
+
+
+def test_loader_workers_persist_across_epochs_and_keyed_datasets_get_the_epoch():
+    from dist_trainer.config import BatchPlan
+    from dist_trainer.data import StepPlan, TrainLoader
+
+    plan = BatchPlan(world_size=1, micro_batch_size=4, accum_steps=2, global_batch_size=8, base_lr=1.0, lr=1.0,
+                     max_steps=9)
+    step_plan = StepPlan(24, plan, 0, 0, shuffle=True, drop_last=False)
+    loader = TrainLoader(WorkerPid(), step_plan, num_workers=2)
+    pids = []
+    for epoch, start in ((0, 0), (1, 0), (2, 1)):  # the last: a pass resumed mid-epoch
+        items = torch.cat([b for _, batches in loader.epoch(epoch, start) for b in batches])
+        assert (items[:, 1] == epoch).all()  # the epoch travels with each index to the worker
+        expected = [i for window in step_plan.windows(epoch, start) for mb in window for i in mb]
+        assert items[:, 2].tolist() == expected
+        pids.append(set(items[:, 0].tolist()))
+    assert len(pids[0]) == 2 and pids[0] == pids[1] == pids[2]  # the same two workers served every pass
+    assert os.getpid() not in pids[0]
+    del loader
 
 
 def _grad_storages_worker(rank, world_size, find_unused):
