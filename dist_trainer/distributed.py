@@ -37,6 +37,11 @@ def rank() -> int:
     return _int_env("RANK", 0)
 
 
+def local_rank() -> int:
+    """This process's rank on its node (0 when not launched by torchrun)."""
+    return _int_env("LOCAL_RANK", 0)
+
+
 def world_size() -> int:
     """The world size, known before the process group exists (for validation)."""
     return dist.get_world_size() if dist.is_initialized() else _int_env("WORLD_SIZE", 1)
