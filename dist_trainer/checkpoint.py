@@ -356,6 +356,23 @@ def _read_verified(path: Path) -> tuple[Optional[str], Dict[str, Any]]:
     return None, loaded
 
 
+def read_model(path: Path) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
+    """(shared.pt, the whole FP32 model state dict) of one checkpoint, read in this process alone.
+
+    Any checkpoint: ddp (rank 0 wrote the model whole) or fsdp of any world size.
+    """
+    problem, loaded = _read_verified(path)
+    if problem is not None:
+        raise CheckpointError(f"{path}: {problem}")
+    shared = loaded["shared.pt"]
+    if "model" in shared["trainer"]:
+        return shared, shared["trainer"]["model"]
+    shapes = shard_tensor_shapes(path / SHARDS)
+    whole = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in shapes.items() if key.startswith("model.")}
+    load_shards(whole, path / SHARDS)  # with no process group, DCP reads every shard in this process
+    return shared, {key[len("model."):]: value for key, value in whole.items()}
+
+
 class CheckpointError(RuntimeError):
     """Checkpoints exist but none can be used; nothing was changed."""
 

@@ -9,7 +9,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -18,7 +18,7 @@ from torch import nn
 
 from . import checkpoint, distributed, hostmem
 from .config import BatchPlan, Config, ConfigError, validate
-from .data import StepPlan, build_dataset, epoch_batches, eval_loader
+from .data import StepPlan, TrainLoader, build_dataset, eval_loader
 from .distributed import DistEnv
 from .finder import find_micro_batch_size, largest_divisor_at_most, model_trial
 from .metrics import Outputs, peak_flops, peak_mem_mb
@@ -63,7 +63,7 @@ def startup_report(plan: BatchPlan, env: DistEnv, cfg: Config, model: nn.Module,
         f"run dir {run_dir} | {env.world_size} rank(s) on {env.device.type} ({env.backend}) | "
         f"precision {cfg.precision.name}\n"
         f"plan: {plan.describe()}\n"
-        f"model {cfg.model['_target_']}: {params:,} parameters | data {cfg.data['_target_']}: "
+        f"model {getattr(model, 'name', cfg.model['_target_'])}: {params:,} parameters | data {cfg.data['_target_']}: "
         f"{step_plan.num_samples} samples, {step_plan.steps_per_epoch} optimizer steps per epoch"
     )
 
@@ -100,6 +100,7 @@ class Parts:
     step_plan: StepPlan
     train_set: Any
     eval_set: Any
+    model_config: Dict[str, Any]  # cfg.model, resolved
 
 
 def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
@@ -112,7 +113,7 @@ def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
     optimizer = build_optimizer(strategy.weights.optimizer_params(), cfg.optim, plan.lr)
     trainer = Trainer(strategy, optimizer, precision, env, plan, cfg.optim, cfg.trainer, cfg.batch.partial_step)
     torch.manual_seed(cfg.trainer.seed + env.rank)  # dropout and other runtime randomness per rank
-    return Parts(trainer, step_plan, train_set, eval_set)
+    return Parts(trainer, step_plan, train_set, eval_set, dict(cfg.model))
 
 
 def choose_micro_batch(cfg: Config, parts: Parts, env: DistEnv) -> BatchPlan:
@@ -162,25 +163,37 @@ def _train(cfg: Config, plan: BatchPlan, env: DistEnv, run_dir: Path) -> Dict[st
         stop.close()
         outputs.close()
     final = parts.trainer.strategy.full_state_dict()  # every rank takes part; under fsdp rank 0 gets it whole
-    save_final_model(final, run_dir, env, position.step)
+    save_final_model(final, run_dir, env, position.step, _hf_export(model))
     return summary
 
 
-def save_final_model(state: Dict[str, torch.Tensor], run_dir: Path, env: DistEnv, step: int) -> None:
-    """Rank 0 writes final_model.pt (whole or not at all); every rank learns whether it could."""
+def _hf_export(model: nn.Module) -> Optional[Callable[[Dict[str, torch.Tensor], Path], None]]:
+    """How to write hf_model/ for a Hugging Face model; None for any other."""
+    if not hasattr(model, "tokenizer_spec"):  # dist_trainer.hf.models.HFModel
+        return None
+    from .hf.export import save_pretrained
+
+    return lambda state, run_dir: save_pretrained(model, state, run_dir / "hf_model")
+
+
+def save_final_model(state: Dict[str, torch.Tensor], run_dir: Path, env: DistEnv, step: int,
+                     export: Optional[Callable[[Dict[str, torch.Tensor], Path], None]] = None) -> None:
+    """Rank 0 writes final_model.pt (and hf_model/ with ``export``), whole or not at all; every rank learns whether it could."""
     failure: list = [None]
     if env.is_main:
         path, tmp = run_dir / "final_model.pt", run_dir / ".tmp-final_model.pt"
         try:
             torch.save(state, tmp)
             os.replace(tmp, path)
+            if export is not None:
+                export(state, run_dir)
         except checkpoint.WRITE_ERRORS as err:
             tmp.unlink(missing_ok=True)
             failure = [f"{type(err).__name__}: {err}"]
     dist.broadcast_object_list(failure, src=0)
     if failure[0]:
         raise checkpoint.CheckpointWriteError(
-            f"final_model.pt could not be written in {run_dir} ({failure[0]}). Training finished and the "
+            f"final_model.pt (or hf_model/) could not be written in {run_dir} ({failure[0]}). Training finished and the "
             f"checkpoint of step {step} is intact: free space or make the directory writable, then start the run "
             "again in the same directory; it resumes at its end and writes final_model.pt.")
 
@@ -213,7 +226,9 @@ def resume(parts: Parts, plan: BatchPlan, env: DistEnv, run_dir: Path, seed: int
 
 def save_checkpoint(parts: Parts, position: Position, env: DistEnv, run_dir: Path, keep: int) -> None:
     trainer_state, sharded = parts.trainer.checkpoint_state()
-    shared = {"trainer": trainer_state, "loop": asdict(position), "plan": asdict(parts.trainer.plan)}
+    # model_config: what rebuilds the model from this checkpoint alone (python -m dist_trainer.export)
+    shared = {"trainer": trainer_state, "loop": asdict(position), "plan": asdict(parts.trainer.plan),
+              "model_config": parts.model_config}
     path = checkpoint.save(run_dir, position.step, shared, env, keep, sharded)
     log.info("step %d: checkpoint %s", position.step, path)
 
@@ -228,13 +243,13 @@ def _loop(cfg: Config, parts: Parts, position: Position, outputs: Outputs, stop:
     # without held-out samples must still join evaluate()'s all-reduce.
     evals = (None if eval_set is None else
              eval_loader(eval_set, plan.micro_batch_size, tcfg.eval_batches, env.rank, env.world_size, num_workers))
+    # One loader for the run: with data.num_workers > 0 its workers start once and serve every epoch.
+    loader = TrainLoader(parts.train_set, parts.step_plan, num_workers, pin, cfg.data.get("prefetch_factor"))
     mfu_basis = _peak_model_flops(trainer)  # looked up once: neither changes during the run
     record: Dict[str, Any] = {}
     tick = time.perf_counter()
     while position.step < plan.max_steps:
-        batches_of_epoch = epoch_batches(parts.train_set, parts.step_plan, position.epoch,
-                                         position.step_in_epoch, num_workers, pin)
-        for window, batches in batches_of_epoch:
+        for window, batches in loader.epoch(position.epoch, position.step_in_epoch):
             fetched = time.perf_counter()  # the wait for this step's micro-batches ends here
             step = position.step + 1
             outcome = trainer.train_step([to_device(b, env.device) for b in batches], window, step,

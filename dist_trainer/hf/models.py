@@ -1,0 +1,168 @@
+"""``model=hf_causal_lm`` and ``model=hf_masked_lm``: transformers models, trained exactly.
+
+The framework calls every model as ``model(batch)`` and reads back a summed
+loss and its item count. A transformers model takes keyword arguments and
+computes its own loss, and some of those losses are traps: a mean that ignores
+``num_items_in_batch`` weights every micro-batch alike, whatever its number of
+tokens, so the accumulated update would not be the big batch's. ``HFModel``
+holds the transformers model as ``.model``, calls it with the batch's input
+tensors, and computes the loss here from the logits: the cross-entropy summed
+in FP32 over the tokens that count (shifted labels for a causal LM, the masked
+positions for a masked LM), with the number of those tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ConfigError
+
+IGNORE_INDEX = -100
+TASKS = {"causal_lm": "AutoModelForCausalLM", "masked_lm": "AutoModelForMaskedLM"}
+# The batch keys passed on to the model; labels are ours (the loss is computed here).
+MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
+
+
+class HFModel(nn.Module):
+    """A transformers ``*ForCausalLM`` / ``*ForMaskedLM`` as the framework's model.
+
+    ``forward(batch)`` returns ``{"loss_sum", "num_items"}``. Labels come from
+    the batch: ``targets`` (already the next tokens, as ``data=tokens`` and
+    ``data=hf_text`` give them: no shift), else ``labels`` (Hugging Face's
+    convention: a causal LM's are shifted here, a masked LM's are the masked
+    positions), else, for a causal LM, ``input_ids`` themselves (shifted, with
+    padding from ``attention_mask`` ignored).
+    """
+
+    def __init__(self, model: nn.Module, task: str, tokenizer: Optional[str] = None,
+                 block_size: Optional[int] = None):
+        super().__init__()
+        self.model = model
+        self.task = task
+        self.tokenizer_spec = tokenizer  # written beside the weights on export
+        self.block_size = block_size
+        self.name = f"{type(model).__name__} ({model.config.model_type}, transformers)"  # for the start-up log
+        self.items_are_tokens = task == "causal_lm"  # a masked LM's items are its masked tokens only
+        # The repeated blocks: those of the declared classes that occur more than once. A class
+        # declared once (BERT's embeddings) holds weights tied to the output head, which must stay
+        # in the same FSDP unit as the head.
+        declared = [str(name) for name in (getattr(model, "_no_split_modules", None) or [])]
+        counts = {name: sum(type(m).__name__ == name for m in model.modules()) for name in declared}
+        self._no_split_modules = [name for name in declared if counts[name] > 1]
+        self._call_kwargs = {"use_cache": False} if task == "causal_lm" else {}
+
+    def forward(self, batch: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        inputs = {key: batch[key] for key in MODEL_INPUTS if key in batch}
+        logits = self.model(**inputs, **self._call_kwargs).logits
+        labels = self._labels(batch)
+        if self.task == "causal_lm" and "targets" not in batch:
+            logits, labels = logits[:, :-1], labels[:, 1:]  # position t predicts token t + 1
+        return token_loss(logits, labels)
+
+    def _labels(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        if "targets" in batch:
+            return batch["targets"]
+        if "labels" in batch:
+            return batch["labels"]
+        if self.task == "masked_lm":
+            raise ValueError("model=hf_masked_lm needs 'labels' in the batch (data=hf_text makes them)")
+        labels = batch["input_ids"]
+        if "attention_mask" in batch:
+            labels = labels.masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
+        return labels
+
+    def flops_per_item(self) -> float:
+        """Training FLOPs per token (6 per weight, and attention's 12 * layers * width * context)."""
+        cfg = self.model.config
+        weights = self.model.num_parameters(exclude_embeddings=True)
+        layers, width = getattr(cfg, "num_hidden_layers", 0), getattr(cfg, "hidden_size", 0)
+        return 6.0 * weights + 12.0 * layers * width * (self.block_size or 0)
+
+
+def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """Cross-entropy summed in FP32 over the labels that are not -100, and their number."""
+    labels = labels.reshape(-1)
+    loss_sum = F.cross_entropy(logits.reshape(labels.numel(), -1).float(), labels, ignore_index=IGNORE_INDEX,
+                               reduction="sum")
+    return {"loss_sum": loss_sum, "num_items": (labels != IGNORE_INDEX).sum()}
+
+
+def hf_model(task: str = "causal_lm", model_type: Optional[str] = None, config: Optional[Dict[str, Any]] = None,
+             pretrained: Optional[str] = None, tokenizer: Optional[str] = None, block_size: Optional[int] = None,
+             attn_implementation: Optional[str] = "sdpa") -> HFModel:
+    """Build the model: from ``model_type`` and ``config`` (random weights), or from a local ``pretrained`` dir.
+
+    ``model.config.vocab_size`` (and the eos and pad ids) follow ``tokenizer``
+    (the data's) unless ``config`` sets them; ``block_size`` (the data's) must
+    fit the model's positions.
+    """
+    if task not in TASKS:
+        raise ConfigError(f"model.task={task!r}: choose one of {sorted(TASKS)}")
+    try:
+        import transformers
+    except ImportError as err:
+        raise ConfigError("model=hf_causal_lm / hf_masked_lm need transformers: pip install 'dist_trainer[hf]'") from err
+    overrides = dict(config or {})
+    overrides.update(_from_tokenizer(tokenizer, overrides))
+    auto = getattr(transformers, TASKS[task])
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    if pretrained:
+        if pretrained.startswith(("/", "./", "../", "~")) and not Path(pretrained).expanduser().exists():
+            raise ConfigError(f"model.pretrained={pretrained}: no such directory")
+        try:
+            model = auto.from_pretrained(str(Path(pretrained).expanduser()) if pretrained.startswith("~") else pretrained,
+                                         dtype=torch.float32, **extra, **overrides)
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"model.pretrained={pretrained}: cannot be loaded ({err})") from err
+    else:
+        if not model_type:
+            raise ConfigError("model.model_type is not set: name a transformers model type (e.g. gpt2, llama, "
+                              "bert), or set model.pretrained to a local save_pretrained directory")
+        model_config = _config(transformers, model_type, overrides)
+        try:
+            model = auto.from_config(model_config, dtype=torch.float32, **extra)
+        except ValueError as err:
+            raise ConfigError(f"model.model_type={model_type}: transformers has no {TASKS[task]} for it "
+                              f"({err})") from err
+    _check_positions(model.config, block_size)
+    return HFModel(model, task, tokenizer, block_size)
+
+
+def _config(transformers: Any, model_type: str, overrides: Dict[str, Any]) -> Any:
+    mapping = transformers.CONFIG_MAPPING
+    if model_type not in mapping:
+        raise ConfigError(f"model.model_type={model_type}: not a model type transformers knows "
+                          "(e.g. gpt2, llama, bert, mistral, qwen2)")
+    if "vocab_size" in overrides:  # default special ids beyond a smaller vocabulary: none rather than invalid
+        defaults = mapping[model_type]()
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = getattr(defaults, key, None)
+            if key not in overrides and isinstance(value, int) and value >= overrides["vocab_size"]:
+                overrides[key] = None
+    try:
+        return transformers.AutoConfig.for_model(model_type, **overrides)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"model.config: {err}") from err
+
+
+def _from_tokenizer(spec: Optional[str], config: Dict[str, Any]) -> Dict[str, Any]:
+    """vocab_size and the special token ids from the data's tokenizer, where model.config leaves them unset."""
+    if not spec:
+        return {}
+    from .tokenizer import load_tokenizer
+
+    tok = load_tokenizer(spec)
+    known = {"vocab_size": tok.vocab_size, "eos_token_id": tok.eos_id, "bos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+    return {key: value for key, value in known.items() if key not in config and value is not None}
+
+
+def _check_positions(config: Any, block_size: Optional[int]) -> None:
+    positions = getattr(config, "max_position_embeddings", None)
+    if block_size and positions and block_size > positions:
+        raise ConfigError(f"data.block_size={block_size} is longer than the model's {positions} positions: "
+                          f"lower data.block_size or raise model.config.max_position_embeddings")
