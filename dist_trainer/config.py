@@ -73,6 +73,9 @@ class OptimConfig:
     schedule: str = "constant"
     min_lr_ratio: float = 0.1  # cosine floor, as a fraction of the peak lr
     grad_clip: Optional[float] = 1.0  # max global norm of unscaled grads; null disables
+    # null: fused AdamW on CUDA, the foreach implementation elsewhere (bit-identical to the
+    # per-parameter loop on CPU, and faster); true/false forces fused on or off.
+    fused: Optional[bool] = None
 
 
 @dataclass
@@ -90,6 +93,8 @@ class TrainerConfig:
     # CPU runs: glibc keeps freed blocks for reuse instead of page-faulting fresh
     # ones every step (dist_trainer/hostmem.py); false leaves malloc as it is.
     tune_malloc: bool = True
+    # torch.compile the model block by block (dist.blocks), or whole where it declares none
+    compile: bool = False
 
 
 @dataclass
@@ -244,6 +249,7 @@ def _validate_values(cfg: Config) -> None:
     _check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
     _check(o.grad_clip is None or o.grad_clip > 0, "optim.grad_clip", o.grad_clip, "must be > 0 or null")
     _check(t.max_steps >= 1, "trainer.max_steps", t.max_steps, "must be >= 1")
+    _check(isinstance(t.compile, bool), "trainer.compile", t.compile, "must be true or false")
     _check(t.log_every >= 1, "trainer.log_every", t.log_every, "must be >= 1")
     _check(t.eval_every >= 0, "trainer.eval_every", t.eval_every, "must be >= 0 (0 disables)")
     _check(t.eval_batches >= 1, "trainer.eval_batches", t.eval_batches, "must be >= 1")

@@ -16,9 +16,13 @@ def build_optimizer(params: List[torch.Tensor], cfg: OptimConfig, lr: float) -> 
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
+    fused = cfg.fused if cfg.fused is not None else (cfg.name == "adamw" and params[0].device.type == "cuda")
+    # One kernel over all parameters (fused), or a few per parameter group (foreach), instead of
+    # a loop over the parameters; foreach gives the loop's update bit for bit.
+    impl = {"fused": True} if fused else {"foreach": True}
     if cfg.name == "adamw":
-        return torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps)
-    return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum)
+        return torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, **impl)
+    return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, **impl)
 
 
 def lr_at(update: int, peak_lr: float, cfg: OptimConfig, total_updates: int) -> float:
