@@ -77,7 +77,8 @@ def param_groups(model: torch.nn.Module) -> List[dict]:
 
 
 def make_adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(param_groups(model), lr=LR, betas=BETAS, eps=EPS)
+    # foreach, as dist_trainer builds it on CPU (the same update as the per-parameter loop, bit for bit)
+    return torch.optim.AdamW(param_groups(model), lr=LR, betas=BETAS, eps=EPS, foreach=True)
 
 
 def rank_micro_batches(num_samples: int, rank: int, world: int, steps: int, seed: int = SEED,
