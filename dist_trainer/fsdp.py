@@ -37,6 +37,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGath
 from .config import DistConfig
 from .distributed import DistEnv
 from .checkpoint import load_shards
+from .compiling import compile_blocks
 from .parallel import (checkpoint_blocks, find_blocks, local_tensor, named_optimizer_state,
                        optimizer_param_names)
 from .precision import Precision
@@ -117,11 +118,13 @@ class FSDPStrategy:
     name = "fsdp"
     grads_sharded = True
 
-    def __init__(self, model: nn.Module, env: DistEnv, cfg: DistConfig, precision: Precision):
+    def __init__(self, model: nn.Module, env: DistEnv, cfg: DistConfig, precision: Precision, compile: bool = False):
         model = model.to(env.device)
         blocks = find_blocks(model, cfg.blocks)
         if cfg.activation_checkpointing:
             checkpoint_blocks(blocks)
+        if compile:  # after activation checkpointing, before fully_shard: its hooks stay eager
+            compile_blocks(blocks, model)
         mesh = init_device_mesh(env.device.type, (env.world_size,))
         policy = (MixedPrecisionPolicy(param_dtype=precision.param_dtype, reduce_dtype=torch.float32)
                   if precision.param_dtype is not None else MixedPrecisionPolicy())

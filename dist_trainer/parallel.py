@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .compiling import compile_blocks
 from .config import ConfigError, DistConfig
 from .distributed import DistEnv
 from .precision import MasterWeights, ModelWeights, Precision
@@ -152,10 +153,12 @@ class DDPStrategy:
     name = "ddp"
     grads_sharded = False
 
-    def __init__(self, model: nn.Module, env: DistEnv, cfg: DistConfig, precision: Precision):
+    def __init__(self, model: nn.Module, env: DistEnv, cfg: DistConfig, precision: Precision, compile: bool = False):
         precision.prepare(model)  # master modes: half parameters, FP32 norm layers
         if cfg.activation_checkpointing:
             checkpoint_blocks(find_blocks(model, cfg.blocks))
+        if compile:  # after activation checkpointing (compiled with it), before DDP's hooks
+            compile_blocks(find_blocks(model, cfg.blocks), model)
         self.model = apply_ddp(model, env, cfg)
         self.module = self.model.module
         self.weights = precision.weights(self.module)
@@ -241,13 +244,13 @@ def indexed_optimizer_state(names: List[str], state: Dict[str, Dict[str, torch.T
             "param_groups": [{**g, "params": [index[name] for name in g["params"]]} for g in groups]}
 
 
-def build_strategy(model: nn.Module, env: DistEnv, cfg: DistConfig, precision: Precision):
-    """The strategy of ``dist.strategy``, wrapping ``model`` (on the CPU, as instantiated)."""
+def build_strategy(model: nn.Module, env: DistEnv, cfg: DistConfig, precision: Precision, compile: bool = False):
+    """The strategy of ``dist.strategy``, wrapping ``model`` (on the CPU, as instantiated); ``compile``: trainer.compile."""
     if cfg.strategy == "fsdp":
         from .fsdp import FSDPStrategy
 
-        return FSDPStrategy(model, env, cfg, precision)
-    return DDPStrategy(model, env, cfg, precision)
+        return FSDPStrategy(model, env, cfg, precision, compile)
+    return DDPStrategy(model, env, cfg, precision, compile)
 
 
 class ConsistencyError(RuntimeError):

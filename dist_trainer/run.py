@@ -17,6 +17,7 @@ from hydra.utils import instantiate
 from torch import nn
 
 from . import checkpoint, distributed, hostmem
+from .compiling import CompileWatch, eager_eval
 from .config import BatchPlan, Config, ConfigError, validate
 from .data import StepPlan, TrainLoader, build_dataset, eval_loader
 from .distributed import DistEnv
@@ -42,12 +43,13 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: Any, precision: Precision, device: torch.device) -> float:
-    """Item-weighted mean loss over the held-out batches of all ranks."""
+def evaluate(model: nn.Module, loader: Any, precision: Precision, device: torch.device,
+             compiled: bool = False) -> float:
+    """Item-weighted mean loss over the held-out batches of all ranks (eagerly, also when compiled)."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     for batch in loader:
-        with precision.autocast():
+        with precision.autocast(), eager_eval(compiled):
             output = model(to_device(batch, device))
         loss_sum, items = loss_terms(output, batch, count=True)
         totals += torch.stack([loss_sum.double(), items.double().to(device)])
@@ -109,7 +111,7 @@ def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
     step_plan = StepPlan.for_config(len(train_set), cfg, plan, env.rank)  # checks the data before the model
     eval_set = build_dataset(cfg.data, split="val") if "split" in cfg.data else None
     precision = Precision(cfg.precision, env.device)
-    strategy = build_strategy(instantiate(cfg.model, _convert_="all"), env, cfg.dist, precision)
+    strategy = build_strategy(instantiate(cfg.model, _convert_="all"), env, cfg.dist, precision, cfg.trainer.compile)
     optimizer = build_optimizer(strategy.weights.optimizer_params(), cfg.optim, plan.lr)
     trainer = Trainer(strategy, optimizer, precision, env, plan, cfg.optim, cfg.trainer, cfg.batch.partial_step)
     torch.manual_seed(cfg.trainer.seed + env.rank)  # dropout and other runtime randomness per rank
@@ -245,6 +247,7 @@ def _loop(cfg: Config, parts: Parts, position: Position, outputs: Outputs, stop:
              eval_loader(eval_set, plan.micro_batch_size, tcfg.eval_batches, env.rank, env.world_size, num_workers))
     # One loader for the run: with data.num_workers > 0 its workers start once and serve every epoch.
     loader = TrainLoader(parts.train_set, parts.step_plan, num_workers, pin, cfg.data.get("prefetch_factor"))
+    compiles = CompileWatch(tcfg.compile, env.is_main)
     mfu_basis = _peak_model_flops(trainer)  # looked up once: neither changes during the run
     record: Dict[str, Any] = {}
     tick = time.perf_counter()
@@ -258,9 +261,10 @@ def _loop(cfg: Config, parts: Parts, position: Position, outputs: Outputs, stop:
             position.samples += outcome.samples
             now = time.perf_counter()
             record = step_record(outcome, position, trainer, now - tick, fetched - tick, mfu_basis)
+            record.update(compiles.after_step(step, now - tick) or {})
             last = step == plan.max_steps
             if evals is not None and ((tcfg.eval_every and step % tcfg.eval_every == 0) or last):
-                record["eval_loss"] = evaluate(trainer.module, evals, trainer.precision, env.device)
+                record["eval_loss"] = evaluate(trainer.module, evals, trainer.precision, env.device, tcfg.compile)
             outputs.write(record)
             if last or outcome.stop_requested or (tcfg.ckpt_every and step % tcfg.ckpt_every == 0):
                 save_checkpoint(parts, position, env, run_dir, tcfg.keep_checkpoints)
