@@ -108,7 +108,9 @@ def plan_report(cfg: Config, world_size: int) -> str:
                 f"{sum(bucket_bytes) / MIB:.2f} MiB ({sum(bucket_bytes)} bytes); without no_sync it would be {no_sync}")
     return "\n".join([
         f"plan for world size {world_size} (no process group, nothing trained)",
-        f"{split} = global batch {plan.global_batch_size} samples per optimizer step",
+        f"{split} = global batch {plan.global_batch_size} samples per optimizer step"
+        + (f" ({plan.global_batch_size * dataset.block_size:,} tokens of data.block_size={dataset.block_size})"
+           if isinstance(getattr(dataset, "block_size", None), int) else ""),
         f"  lr {plan.base_lr:g} -> {plan.lr:g} (optim.lr_scaling={cfg.optim.lr_scaling}"
         + (f", optim.base_batch_size={cfg.optim.base_batch_size})" if cfg.optim.lr_scaling != "none" else ")"),
         f"  model {count:,} trainable parameters, precision {cfg.precision.name}",
