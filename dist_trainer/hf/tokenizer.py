@@ -17,7 +17,10 @@ from pathlib import Path
 from typing import Iterable, List, Optional, Sequence
 
 import numpy as np
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+try:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+except ImportError as err:  # the [hf] extra is not installed
+    raise ImportError("data=hf_text and the tokenizer CLI need the [hf] extra: pip install 'dist_trainer[hf]'") from err
 
 from ..config import ConfigError
 
