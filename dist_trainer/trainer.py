@@ -86,7 +86,8 @@ def loss_terms(output: Any, batch: Any, count: bool) -> tuple[torch.Tensor, torc
             raise TypeError("the model's forward must return a scalar mean loss or {'loss_sum', 'num_items'}")
         samples = _leading_dim(batch)
         loss_sum = output.float() * samples
-        items = torch.tensor(float(samples), dtype=torch.float64, device=loss_sum.device)
+        # A fill on the device, not a copy from the host (which would wait for the GPU's queue).
+        items = torch.full((), float(samples), dtype=torch.float64, device=loss_sum.device)
     if not count:
         return loss_sum * 0.0, items * 0.0
     return loss_sum, items
@@ -178,13 +179,14 @@ class Trainer:
         stats[0], stats[1], stats[2], stats[4] = loss_sum, items, samples, float(stop_requested())
         stats[5 + self.env.rank] = (~torch.isfinite(loss_sum)).to(torch.float64)
         dist.all_reduce(stats)
-        values = stats.tolist()  # the step's one host sync
+        # The step's one host sync; the replicated norm (the same on every rank) rides along.
+        values = (stats if sharded else torch.cat([stats, raw_norm.to(stats).reshape(1)])).tolist()
         bad_ranks = [r for r in range(world) if values[5 + r] > 0]
         if sharded:  # an inf or NaN in any rank's shard makes the sum non-finite on every rank
             norm = math.sqrt(values[5 + world]) if math.isfinite(values[5 + world]) else float("nan")
             nonfinite = not math.isfinite(norm)
         else:
-            norm = raw_norm.item()
+            norm = values[-1]
             nonfinite = values[3] > 0
         return {"loss_sum": values[0], "items": values[1], "samples": int(values[2]),
                 "nonfinite": nonfinite or bool(bad_ranks), "stop": values[4] > 0, "bad_ranks": bad_ranks,

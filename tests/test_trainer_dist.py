@@ -335,3 +335,67 @@ def test_gradients_live_in_ddps_buckets_unless_parameters_may_go_unused(tmp_path
     assert [len(s) for s in storages] == [1, 1, 1] and storages[1] == storages[2]
     (storages, _, params), _ = run_ranks(_grad_storages_worker, 2, tmp_path / "unused", True)
     assert all(len(s) == params for s in storages)
+
+
+class HostReads:
+    """Counts the reads of a tensor's value into Python (each a host sync on CUDA) while active."""
+
+    METHODS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy")
+
+    def __init__(self):
+        self.calls: list = []
+        self.paused = False
+
+    def __enter__(self):
+        self.saved = {name: getattr(torch.Tensor, name) for name in self.METHODS}
+        for name, original in self.saved.items():
+            def counting(tensor, *args, _name=name, _original=original, **kwargs):
+                if not self.paused:
+                    self.calls.append(_name)
+                return _original(tensor, *args, **kwargs)
+            setattr(torch.Tensor, name, counting)
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self.saved.items():
+            setattr(torch.Tensor, name, original)
+
+
+@pytest.mark.parametrize("model, strategy, precision", [
+    ("mlp", "ddp", "fp32"), ("gpt", "ddp", "bf16-master"), ("gpt", "fsdp", "fp32"), ("gpt", "ddp", "fp16-mixed")])
+def test_a_step_reads_one_value_to_the_host(model, strategy, precision):
+    """No host sync per micro-batch: after the first step (which measures the loss divisor and the
+    state size once), an optimizer step of 4 micro-batches reads tensors into Python exactly once,
+    the all-reduced totals, whatever the strategy, precision or loss form. (torch.optim's own reads
+    are not counted: they are of its step counters, which live on the CPU also when training on CUDA.)"""
+    cfg = regression_config(micro=2, accum=4, steps=3, precision=precision)
+    if model == "gpt":
+        cfg.model = {"_target_": "dist_trainer.models.GPT", "vocab_size": 256, "block_size": 16, "n_layer": 1,
+                     "n_head": 2, "n_embd": 16}
+        cfg.data = {"_target_": "dist_trainer.datasets.char_text", "block_size": 16, "shuffle": True}
+    cfg.dist.strategy = strategy
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        parts = build(cfg, validate(cfg, 1), distributed.init("cpu"))
+        reads = []
+        for step, (window, batches) in zip(range(1, 4), epoch_batches(parts.train_set, parts.step_plan, 0, 0, 0, False)):
+            with HostReads() as counter:
+                optimizer_step = parts.trainer.optimizer.step
+
+                def uncounted(*args, **kwargs):
+                    counter.paused = True
+                    try:
+                        return optimizer_step(*args, **kwargs)
+                    finally:
+                        counter.paused = False
+
+                parts.trainer.optimizer.step = uncounted
+                outcome = parts.trainer.train_step(batches, window, step)
+                parts.trainer.optimizer.step = optimizer_step
+            assert len(window) == 4 and not outcome.skipped
+            reads.append(counter.calls)
+        del parts
+        gc.collect()
+    finally:
+        dist.destroy_process_group()
+    assert reads[1] == reads[2] == ["tolist"], reads
