@@ -20,4 +20,6 @@ def _quiet_single_thread_env(monkeypatch):
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: longer than the default suite allows; run with -m slow")
     config.addinivalue_line("markers", "slurm: starts a real one-node Slurm cluster (installs it as root if missing)")
+    config.addinivalue_line("markers", "image: builds docker/Dockerfile with buildah and runs it (installs buildah as "
+                            "root if missing; about 2 minutes with the cached base image)")
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
