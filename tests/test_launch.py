@@ -27,6 +27,9 @@ from helpers import free_port
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "docker" / "Dockerfile"
 DOCKERIGNORE = REPO / "docker" / "Dockerfile.dockerignore"
+ENTRYPOINT_SCRIPT = REPO / "docker" / "entrypoint.sh"
+# The image's ENTRYPOINT, and the command both Kubernetes manifests run.
+ENTRYPOINT = ["tini", "--", "dist-trainer-entrypoint"]
 SBATCH = REPO / "launch" / "slurm" / "train.sbatch"
 K8S = REPO / "launch" / "k8s"
 VENV_BIN = Path(sys.executable).parent
@@ -160,7 +163,9 @@ def test_dockerfile_shape():
     ins = _dockerfile_instructions()
     names = [n for n, _ in ins]
     args = {n: a for n, a in ins}  # the last of each
-    assert json.loads(args["ENTRYPOINT"]) == ["tini", "--", "torchrun"]
+    assert json.loads(args["ENTRYPOINT"]) == ENTRYPOINT
+    assert any(n == "COPY" and a.split()[-2:] == ["docker/entrypoint.sh", "/usr/local/bin/dist-trainer-entrypoint"]
+               and "--chmod=0755" in a.split() for n, a in ins), "the entrypoint script is installed, executable"
     cmd = json.loads(args["CMD"])
     assert cmd[cmd.index("-m") + 1] == "dist_trainer", cmd
     assert args["USER"] == "10001"  # numeric: runAsNonRoot can check it
@@ -179,9 +184,65 @@ def test_dockerfile_shape():
     # Everything the Dockerfile copies exists and passes the context filter.
     allowed = {line[1:].rstrip("/") for line in DOCKERIGNORE.read_text().splitlines() if line.startswith("!")}
     for _, a in copies:
-        for src in a.split()[:-1]:
+        for src in [w for w in a.split()[:-1] if not w.startswith("--")]:  # not --chmod=...
             assert (REPO / src).exists(), src
             assert src.rstrip("/") in allowed, f"{src} is copied but {DOCKERIGNORE.name} leaves it out"
+
+
+# Stands in for torchrun in the entrypoint test: records its arguments and the
+# signals it handles, then exits with FAKE_EXIT_ON_SIGNAL on a stop signal (a real
+# torchrun exits with 1 after stopping its workers) or with FAKE_EXIT on its own.
+FAKE_TORCHRUN = """\
+#!{python}
+import json, os, signal, sys, time
+log = os.environ["SHIM_LOG"]
+def on_signal(signum, frame):
+    with open(os.path.join(log, "signal"), "w") as f:
+        f.write(signal.Signals(signum).name)
+    sys.exit(int(os.environ["FAKE_EXIT_ON_SIGNAL"]))
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+    signal.signal(sig, on_signal)
+with open(os.path.join(log, "ready.tmp"), "w") as f:
+    json.dump({{"argv": sys.argv[1:], "signals": os.environ.get("PET_SIGNALS_TO_HANDLE")}}, f)
+os.rename(os.path.join(log, "ready.tmp"), os.path.join(log, "ready"))
+time.sleep(float(os.environ["FAKE_RUN_S"]))
+sys.exit(int(os.environ["FAKE_EXIT"]))
+"""
+
+
+@pytest.mark.parametrize("sig,torchrun_exit,expected", [
+    ("SIGTERM", 1, 75),  # docker stop, an eviction: the workers checkpointed and stopped on request
+    ("SIGUSR1", 1, 75),
+    ("SIGINT", 1, 75),
+    ("SIGTERM", 0, 0),  # training finished before the signal took effect
+    (None, 3, 3),  # no signal: torchrun's own status
+], ids=["term", "usr1", "int", "term-finished-anyway", "no-signal"])
+def test_entrypoint_forwards_stop_signals_and_exits_requeue(spawn, tmp_path, sig, torchrun_exit, expected):
+    bin_dir, log_dir = tmp_path / "bin", tmp_path / "log"
+    bin_dir.mkdir()
+    log_dir.mkdir()
+    (bin_dir / "torchrun").write_text(FAKE_TORCHRUN.format(python=sys.executable))
+    (bin_dir / "torchrun").chmod(0o755)
+    env = _env(SHIM_LOG=str(log_dir), FAKE_EXIT_ON_SIGNAL=str(torchrun_exit), FAKE_EXIT=str(torchrun_exit),
+               FAKE_RUN_S="60" if sig else "0")
+    env["PATH"] = os.pathsep.join([str(bin_dir), env["PATH"]])
+    env.pop("PET_SIGNALS_TO_HANDLE", None)
+    args = ["--standalone", "--nproc_per_node=2", "-m", "dist_trainer", "optim.lr=3e-4", "a b"]
+    proc = spawn(["bash", str(ENTRYPOINT_SCRIPT), *args], cwd=tmp_path, env=env)
+    _wait_for(lambda: (log_dir / "ready").exists(), 30, "torchrun to start", proc, poll=0.05)
+    ready = json.loads((log_dir / "ready").read_text())
+    assert ready["argv"] == args  # passed on untouched
+    # torchrun passes on only the signals it handles: SIGUSR1 is added to its default list.
+    assert ready["signals"].split(",") == ["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1"], ready
+    if sig:
+        os.kill(proc.pid, getattr(signal, sig))  # what tini does with the container's stop signal
+    out = _finish(proc, 30)
+    assert proc.returncode == expected, out
+    if sig:
+        assert (log_dir / "signal").read_text() == sig, out
+        assert f"got {sig}, passing it to torchrun" in out, out
+    else:
+        assert not (log_dir / "signal").exists(), out
 
 
 def _declared_closure() -> set:
@@ -374,8 +435,10 @@ def slurm(tmp_path):
     _kill_marked(f"SLURM_SUBMIT_DIR={tmp_path}")
 
 
-def test_slurm_script_passes_shellcheck():
+def test_shell_scripts_pass_shellcheck():
     scripts = sorted((REPO / "launch").rglob("*.sh")) + sorted((REPO / "launch").rglob("*.sbatch"))
+    scripts += sorted((REPO / "docker").rglob("*.sh"))
+    assert ENTRYPOINT_SCRIPT in scripts and SBATCH in scripts, scripts
     proc = subprocess.run([_tool("shellcheck"), "--shell=bash", *map(str, scripts)], capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -615,7 +678,7 @@ def test_indexed_job_is_consistent():
     assert env["PET_RDZV_BACKEND"] == "c10d" and env["PET_RDZV_ID"] == job["metadata"]["name"]
     # Shutdown: workers get PET_SHUTDOWN_TIMEOUT seconds, inside the pod's grace period.
     assert int(env["PET_SHUTDOWN_TIMEOUT"]) < pod["terminationGracePeriodSeconds"]
-    assert trainer["command"] == ["tini", "--", "torchrun"]
+    assert trainer["command"] == ENTRYPOINT
     assert trainer["args"][:2] == ["-m", "dist_trainer"]
     volumes = {v["name"]: v for v in pod["volumes"]}
     mounts = {m["mountPath"]: m["name"] for m in trainer["volumeMounts"]}
@@ -627,9 +690,13 @@ def test_indexed_job_is_consistent():
 
 
 def test_kubernetes_env_contract_forms_a_two_node_world(spawn, tmp_path):
-    """Two plain `torchrun -m dist_trainer` agents, configured only by the Job's PET_* variables."""
+    """Two plain `torchrun -m dist_trainer` agents, configured only by the Job's PET_* variables.
+
+    Each runs as the pod's command does, through the image's entrypoint (without tini, which only
+    passes signals on), so it also checks that a run that completes exits with 0 through it.
+    """
     job, _, trainer = _job()
-    assert trainer["command"][-1] == "torchrun"
+    assert trainer["command"] == ENTRYPOINT
     port = free_port()
     procs = []
     for index in (0, 1):
@@ -637,7 +704,7 @@ def test_kubernetes_env_contract_forms_a_two_node_world(spawn, tmp_path):
         assert {"PET_NNODES", "PET_NPROC_PER_NODE", "PET_RDZV_BACKEND", "PET_RDZV_ENDPOINT", "PET_RDZV_ID"} <= env.keys()
         env["PET_RDZV_ENDPOINT"] = f"127.0.0.1:{port}"  # <job>-0.<svc>:29500 -> this machine, a free port
         env["PET_NPROC_PER_NODE"] = "1"  # one CPU process stands in for each node's GPUs
-        cmd = [sys.executable, "-m", "torch.distributed.run", *trainer["args"], *SMALL]  # no launcher flags
+        cmd = ["bash", str(ENTRYPOINT_SCRIPT), *trainer["args"], *SMALL]  # no launcher flags; the venv's torchrun
         procs.append(spawn(cmd, cwd=tmp_path, env=_env(**env)))  # same cwd: the shared PVC
     outs = [_finish(p, 150) for p in procs]
     for p, out in zip(procs, outs):
@@ -708,8 +775,8 @@ def test_trainjob_manifest():
     jsonschema.validate(trainjob, TRAINJOB_SCHEMA)
     spec, trainer = trainjob["spec"], trainjob["spec"]["trainer"]
     assert spec["runtimeRef"]["name"] == "torch-distributed"
-    line = trainer["command"] + trainer.get("args", [])
-    assert "torchrun" in line and line[line.index("-m") + 1] == "dist_trainer", line
+    assert trainer["command"] == ENTRYPOINT  # torchrun, ending with 75 after a SIGTERM
+    assert trainer["args"][:2] == ["-m", "dist_trainer"], trainer["args"]
     assert int(trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"]) == trainer["numProcPerNode"]
     env = {e["name"]: e.get("value") for e in trainer.get("env", [])}
     assert not TORCH_PLUGIN_RESERVED & env.keys(), "the torch runtime rejects a TrainJob that sets these"
