@@ -1,4 +1,4 @@
-"""Tokens/s, MFU and peak memory per precision mode, torch.compile off and on, fsdp and activation
+"""Tokens/s, MFU and peak memory: precision modes, torch.compile off and on, ddp and fsdp, activation
 checkpointing, one GPU.
 
     python bench/gpu.py            # one CUDA GPU (made for an H200: under 8 minutes)
@@ -6,20 +6,22 @@ checkpointing, one GPU.
 
 What runs is dist_trainer's own Trainer, built by ``dist_trainer.run.build`` from
 a ``Config`` in a process group of one (``dist_trainer.distributed.init``, so
-DDP over one rank, as ``python -m dist_trainer`` runs it), fed by
-``dist_trainer.data.epoch_batches``; each step is ``Trainer.train_step``.
+DDP or FSDP over one rank, as ``python -m dist_trainer`` runs it), fed by
+``dist_trainer.data.epoch_batches`` from a token file (``data=tokens``); each
+step is ``Trainer.train_step``. Nothing is downloaded: the token file is
+written first, random ids of GPT-2's vocabulary (the step's cost does not
+depend on which tokens they are).
 
-The model is GPT-2 small's shape, dist_trainer.models.GPT(n_layer=12,
-n_head=12, n_embd=768, block_size=1024) with the BYTE vocabulary (256, the
-char_text dataset's), so ~85 M parameters instead of GPT-2's 124 M (its 50257
-token embedding is what is missing); micro-batch 16 sequences x 1024 tokens,
-accum 1. dist_trainer has no compile option: "compile on" compiles the model
-inside DDP in place (``module.compile()``), the framework's step unchanged.
+The model is GPT-2 small: dist_trainer.models.GPT(n_layer=12, n_head=12,
+n_embd=768, block_size=1024, vocab_size=50257), 124 M parameters;
+micro-batch 16 sequences x 1024 tokens, accum 1. "compile on" is the
+framework's ``trainer.compile=true`` (block by block, batch dimension dynamic).
 
-After the precision x compile grid (ddp, eager and compiled), eager rows for
-``dist.strategy=fsdp`` (on one GPU: the cost of the wrapping, gathers and
-reduce-scatters of a world of one) and ``dist.activation_checkpointing=true``
-(memory saved, time spent), with ``--extra=none`` to leave them out.
+Rows: ddp with bf16-mixed, bf16-master and fp16-master, eager and compiled;
+then (``--extra=none`` leaves them out) fsdp bf16-master eager and compiled
+(on one GPU: the cost of the wrapping, gathers and reduce-scatters of a world
+of one) and ddp bf16-master with activation checkpointing, eager and compiled
+(memory saved, time spent).
 
 Per configuration: ``--warmup`` steps (compilation happens there), then
 ``--steps`` timed steps; tokens/s = tokens / (wall time of the timed steps,
@@ -37,22 +39,32 @@ import gc
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-MODES = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-master")
-# (precision, dist.strategy, dist.activation_checkpointing), all eager, after the grid.
-EXTRA = (("bf16-mixed", "fsdp", False), ("bf16-master", "fsdp", False), ("bf16-mixed", "ddp", True),
-         ("bf16-master", "fsdp", True))
-FULL = {"model": dict(vocab_size=256, block_size=1024, n_layer=12, n_head=12, n_embd=768, dropout=0.0),
+MODES = ("bf16-mixed", "bf16-master", "fp16-master")
+# (precision, dist.strategy, dist.activation_checkpointing) after the grid, each eager and compiled.
+EXTRA = (("bf16-master", "fsdp", False), ("bf16-master", "ddp", True))
+FULL = {"model": dict(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768, dropout=0.0),
         "micro": 16, "warmup": 3, "steps": 15}
 SMOKE = {"model": dict(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64, dropout=0.0),
          "micro": 4, "warmup": 1, "steps": 1}
 
 
-def run_config(env, spec: dict, precision: str, compile_model: bool, warmup: int, steps: int,
+def write_token_file(path: Path, spec: dict, samples: int) -> Path:
+    """Random ids of the model's vocabulary, ``samples`` windows of block_size + 1 and some to spare."""
+    import numpy as np
+
+    tokens = (samples + 8) * (spec["model"]["block_size"] + 1)
+    ids = np.random.default_rng(0).integers(0, spec["model"]["vocab_size"], tokens, dtype=np.uint16)
+    ids.tofile(path)
+    return path
+
+
+def run_config(env, spec: dict, tokens: Path, precision: str, compile_model: bool, warmup: int, steps: int,
                strategy: str = "ddp", checkpointing: bool = False) -> dict:
     import torch
 
@@ -64,10 +76,11 @@ def run_config(env, spec: dict, precision: str, compile_model: bool, warmup: int
 
     cuda = env.device.type == "cuda"
     cfg = Config(model={"_target_": "dist_trainer.models.GPT", **spec["model"]},
-                 data={"_target_": "dist_trainer.datasets.char_text", "block_size": spec["model"]["block_size"]},
+                 data={"_target_": "dist_trainer.tokens.token_file", "path": str(tokens), "dtype": "uint16",
+                       "block_size": spec["model"]["block_size"], "vocab_size": spec["model"]["vocab_size"]},
                  batch=BatchConfig(micro_batch_size=spec["micro"], accum_steps=1),
                  precision=PrecisionConfig(name=precision), optim=OptimConfig(lr=6e-4, grad_clip=1.0),
-                 trainer=TrainerConfig(max_steps=warmup + steps, device=env.device.type),
+                 trainer=TrainerConfig(max_steps=warmup + steps, device=env.device.type, compile=compile_model),
                  dist=DistConfig(strategy=strategy, activation_checkpointing=checkpointing))
     plan = validate(cfg, env.world_size)
     if cuda:
@@ -75,8 +88,6 @@ def run_config(env, spec: dict, precision: str, compile_model: bool, warmup: int
     parts = build(cfg, plan, env)
     trainer = parts.trainer
     model = trainer.module
-    if compile_model:
-        model.compile()  # in place: DDP and the Trainer keep calling the same module
     pin = cuda
     train_set, step_plan = parts.train_set, parts.step_plan
 
@@ -124,7 +135,7 @@ def run_config(env, spec: dict, precision: str, compile_model: bool, warmup: int
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, 2 steps per mode")
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default=",".join(MODES), help="precision modes of the ddp grid")
     parser.add_argument("--compile", choices=("both", "off", "on"), default="both")
     parser.add_argument("--extra", choices=("all", "none"), default="all",
                         help="the fsdp and activation-checkpointing rows after the grid")
@@ -151,11 +162,13 @@ def main() -> None:
     device_name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "CPU"
     m = spec["model"]
     print(f"device {device_name}, torch {torch.__version__}; GPT n_layer={m['n_layer']} n_head={m['n_head']} "
-          f"n_embd={m['n_embd']} block={m['block_size']} vocab={m['vocab_size']} (byte); micro {spec['micro']} x "
+          f"n_embd={m['n_embd']} block={m['block_size']} vocab={m['vocab_size']}; micro {spec['micro']} x "
           f"accum 1; {warmup} warm-up + {steps} timed steps per configuration", flush=True)
     compiles = {"both": (False, True), "off": (False,), "on": (True,)}[args.compile]
-    configs = [(mode, c, "ddp", False) for c in compiles for mode in args.modes.split(",")]
-    configs += [(mode, False, strategy, ac) for mode, strategy, ac in EXTRA] if args.extra == "all" else []
+    configs = [(mode, c, "ddp", False) for mode in args.modes.split(",") for c in compiles]
+    configs += [(mode, c, strategy, ac) for mode, strategy, ac in EXTRA for c in compiles] if args.extra == "all" else []
+    scratch = tempfile.TemporaryDirectory(prefix="gpu-bench-")
+    tokens = write_token_file(Path(scratch.name) / "train.bin", spec, (warmup + steps) * spec["micro"])
     results = []
     for mode, comp, strategy, ac in configs:
         name = f"{mode:12s} compile={'on ' if comp else 'off'} {strategy:4s} ac={'on ' if ac else 'off'}"
@@ -164,7 +177,7 @@ def main() -> None:
                             "skipped_for_time": True})
             print(f"{name} skipped: past --budget-s", flush=True)
             continue
-        r = run_config(env, spec, mode, comp, warmup, steps, strategy, ac)
+        r = run_config(env, spec, tokens, mode, comp, warmup, steps, strategy, ac)
         results.append(r)
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         print(f"{name} {r['tokens_per_s']:12,.0f} tokens/s | MFU {mfu:>6s} | "
@@ -185,6 +198,7 @@ def main() -> None:
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": device_name, "spec": spec, "results": results}, indent=1))
+    scratch.cleanup()
     distributed.shutdown(env)
 
 

@@ -19,8 +19,8 @@ def test_gpu_benchmark_smoke_runs_every_row(tmp_path):
     results = json.loads(out.read_text())["results"]
     rows = {(r["precision"], r["strategy"], r["ac"]) for r in results}
     # the precision grid under ddp, then fsdp and activation checkpointing
-    assert {("fp32", "ddp", False), ("bf16-master", "fsdp", False), ("bf16-mixed", "ddp", True),
-            ("bf16-master", "fsdp", True)} <= rows
+    assert {("bf16-mixed", "ddp", False), ("bf16-master", "ddp", False), ("fp16-master", "ddp", False),
+            ("bf16-master", "fsdp", False), ("bf16-master", "ddp", True)} == rows
     for r in results:
         assert r["tokens_per_s"] > 0 and r["state_mb"] > 0 and not r["skipped"], r
     fsdp = next(r for r in results if (r["precision"], r["strategy"], r["ac"]) == ("bf16-master", "fsdp", False))
