@@ -54,7 +54,10 @@ def config(micro: int, compile: bool, strategy: str = "ddp", precision: str = "f
         model=dict(GPT), data={"_target_": f"{__name__}.tiny_text", "n": n, "split": "train", "shuffle": True},
         batch=BatchConfig(micro_batch_size=micro, global_batch_size=GLOBAL),
         precision=PrecisionConfig(name=precision),
-        optim=OptimConfig(name="adamw", lr=3e-3, warmup_steps=0, schedule="constant", grad_clip=1.0),
+        # SGD: a parameter's change is its gradient's (Adam would turn the rounding of a near-zero
+        # gradient, e.g. of a rare byte's embedding, into a full lr-sized step either way).
+        optim=OptimConfig(name="sgd", lr=0.5, momentum=0.0, weight_decay=0.0, warmup_steps=0, schedule="constant",
+                          grad_clip=1.0),
         trainer=TrainerConfig(max_steps=steps, log_every=1, eval_every=0, compile=compile),
         dist=DistConfig(strategy=strategy, activation_checkpointing=ac),
     )
