@@ -77,8 +77,7 @@ def param_groups(model: torch.nn.Module) -> List[dict]:
 
 
 def make_adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
-    # foreach, as dist_trainer builds it on CPU (the same update as the per-parameter loop, bit for bit)
-    return torch.optim.AdamW(param_groups(model), lr=LR, betas=BETAS, eps=EPS, foreach=True)
+    return torch.optim.AdamW(param_groups(model), lr=LR, betas=BETAS, eps=EPS)
 
 
 def rank_micro_batches(num_samples: int, rank: int, world: int, steps: int, seed: int = SEED,

@@ -5,7 +5,7 @@
 The same transformers model (GPT2LMHeadModel of bench/hf.py's shape, built
 with the weights dist_trainer starts from), data order, token-weighted loss
 from the logits (summed cross-entropy over the step's tokens), grad clip and
-AdamW (foreach) as ``dist_trainer model=hf_causal_lm``, and nothing else.
+AdamW as ``dist_trainer model=hf_causal_lm``, and nothing else.
 """
 
 from __future__ import annotations

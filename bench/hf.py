@@ -38,7 +38,7 @@ COMMON = [o for o in DIST_TRAINER_OVERRIDES if not o.startswith("model.")]
 RUNS = {
     "gpt": DIST_TRAINER_OVERRIDES,
     "hf_causal_lm": COMMON + ["model=hf_causal_lm", "model.model_type=gpt2",
-                              "model.config={" + ",".join(f"{k}:{v}" for k, v in HF_CONFIG.items()) + "}"],
+                              "+model.config={" + ",".join(f"{k}:{v}" for k, v in HF_CONFIG.items()) + "}"],
 }
 
 

@@ -73,8 +73,8 @@ class OptimConfig:
     schedule: str = "constant"
     min_lr_ratio: float = 0.1  # cosine floor, as a fraction of the peak lr
     grad_clip: Optional[float] = 1.0  # max global norm of unscaled grads; null disables
-    # null: fused AdamW on CUDA, the foreach implementation elsewhere (bit-identical to the
-    # per-parameter loop on CPU, and faster); true/false forces fused on or off.
+    # null: fused AdamW on CUDA, torch's default elsewhere (the per-parameter loop on CPU);
+    # true/false forces fused on or off (fused on CPU: 3x faster steps, rounding-level differences).
     fused: Optional[bool] = None
 
 

@@ -17,9 +17,10 @@ def build_optimizer(params: List[torch.Tensor], cfg: OptimConfig, lr: float) -> 
     ]
     groups = [g for g in groups if g["params"]]
     fused = cfg.fused if cfg.fused is not None else (cfg.name == "adamw" and params[0].device.type == "cuda")
-    # One kernel over all parameters (fused), or a few per parameter group (foreach), instead of
-    # a loop over the parameters; foreach gives the loop's update bit for bit.
-    impl = {"fused": True} if fused else {"foreach": True}
+    # Fused: one kernel over all parameters. Otherwise torch's own choice: foreach on CUDA, the
+    # per-parameter loop on CPU (measured here: loop 4.4 ms, foreach 4.8 ms, fused 1.5 ms per step of
+    # the default GPT, one thread; fused's update differs from the loop's by rounding, up to 7e-8).
+    impl = {"fused": True} if fused else {}
     if cfg.name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, **impl)
     return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, **impl)
