@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -257,3 +258,29 @@ def test_models_train_on_two_ranks_and_export_to_hugging_face(trained, name, tmp
     again = auto.from_pretrained(out)
     for key, value in exported.state_dict().items():
         assert torch.equal(value, again.state_dict()[key]), key
+
+
+# --------------------------------------------------------------------------- exact resume of a masked LM
+
+def test_masked_lm_resumes_mid_epoch_bit_identically(text, tmp_path):
+    """2 ranks under torchrun: 3 steps, then resumed to 6, equals 6 uninterrupted steps bit for bit
+    (the masks are a function of (seed, epoch, index), dropout draws from the checkpointed RNG)."""
+    from test_checkpoint import assert_bit_identical, assert_same_metrics, resumed_from, run, run_all
+
+    config_arg = "+model.config={" + ",".join(f"{k}:{v}" for k, v in {**BERT, "hidden_dropout_prob": 0.1}.items()) + "}"
+    args = ["model=hf_masked_lm", "model.model_type=bert", config_arg, "data=hf_text", f"data.files=[{text}]",
+            "data.block_size=32", f"data.cache_dir={tmp_path / 'cache'}", "batch.micro_batch_size=8",
+            "batch.global_batch_size=32", "optim.warmup_steps=4", "optim.schedule=constant", "trainer.eval_every=0",
+            "trainer.log_every=1", "trainer.ckpt_every=3", "trainer.device=cpu"]
+    first = run(args + ["trainer.max_steps=1", f"hydra.run.dir={tmp_path / 'warm'}"], tmp_path)  # writes the cache
+    assert first.returncode == 0, first.output[-3000:]
+    ref, half = run_all([(args + ["trainer.max_steps=6", f"hydra.run.dir={tmp_path / 'ref'}"], 2),
+                         (args + ["trainer.max_steps=3", f"hydra.run.dir={tmp_path / 'half'}"], 2)], tmp_path)
+    assert ref.returncode == 0 and half.returncode == 0, ref.output[-3000:] + half.output[-3000:]
+    steps_per_epoch = int(re.search(r"(\d+) optimizer steps per epoch", ref.output).group(1))
+    assert 6 < steps_per_epoch  # the stop at 3 and the resume are mid-epoch
+    resumed = run(args + ["trainer.max_steps=6", f"hydra.run.dir={tmp_path / 'half'}"], tmp_path, nproc=2)
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert resumed_from(resumed.output).endswith("step_00000003")
+    assert_same_metrics(tmp_path / "half", tmp_path / "ref", 6)
+    assert_bit_identical(tmp_path / "half", tmp_path / "ref")
