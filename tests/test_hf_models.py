@@ -13,6 +13,9 @@ nothing downloaded), real gloo ranks:
   the same weights and logits, as does ``python -m dist_trainer.export`` of
   the checkpoint (ddp and fsdp);
 * bad input is a ConfigError naming the key.
+
+The runs to the end (training, export, the masked LM's resume) are marked
+slow: .ci/run runs them after the default suite.
 """
 
 from __future__ import annotations
@@ -219,6 +222,7 @@ def trained(text, tmp_path_factory):
     return root
 
 
+@pytest.mark.slow  # three 2-rank runs to the end: about 40 s
 @pytest.mark.parametrize("name", ["gpt2", "llama-fsdp", "bert"])
 def test_models_train_on_two_ranks_and_export_to_hugging_face(trained, name, tmp_path):
     import transformers
@@ -262,6 +266,7 @@ def test_models_train_on_two_ranks_and_export_to_hugging_face(trained, name, tmp
 
 # --------------------------------------------------------------------------- exact resume of a masked LM
 
+@pytest.mark.slow  # four torchrun jobs: about 45 s
 def test_masked_lm_resumes_mid_epoch_bit_identically(text, tmp_path):
     """2 ranks under torchrun: 3 steps, then resumed to 6, equals 6 uninterrupted steps bit for bit
     (the masks are a function of (seed, epoch, index), dropout draws from the checkpointed RNG)."""

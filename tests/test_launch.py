@@ -304,7 +304,9 @@ def test_image_has_every_module_level_import():
 
 
 def _dockerfile_copy_sources() -> List[str]:
-    return [src for n, a in _dockerfile_instructions() if n == "COPY" for src in a.split()[:-1]]
+    """The build-context paths the Dockerfile's COPY lines read (their --flags left out)."""
+    return [src for n, a in _dockerfile_instructions() if n == "COPY"
+            for src in [w for w in a.split() if not w.startswith("--")][:-1]]
 
 
 @pytest.mark.slow
@@ -314,6 +316,7 @@ def test_image_install_steps_in_a_fresh_venv(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     for name in _dockerfile_copy_sources():
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
         copy = shutil.copytree if (REPO / name).is_dir() else shutil.copy2
         copy(REPO / name, src / name, **({"ignore": shutil.ignore_patterns("__pycache__")} if copy is shutil.copytree else {}))
     venv = tmp_path / "venv"

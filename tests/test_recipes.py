@@ -22,6 +22,7 @@ import pytest
 from helpers import REPO
 
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # five plan-mode processes and a tokenizer: about 40 s (.ci/run runs it)
 
 WORLD = 8
 
