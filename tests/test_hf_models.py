@@ -8,8 +8,8 @@ nothing downloaded), real gloo ranks:
 * split invariance: 2 ranks x micro 4 x accum 4 against one process with one
   batch of 32, fp32, SGD, dropout 0, for a causal LM (GPT-2; under ddp and
   fsdp) on variable-length samples and for a masked LM (BERT) on hf_text;
-* GPT-2, Llama and BERT train on 2 ranks through the real loop, and the loss
-  falls; hf_model/ is written at the end and reloads with from_pretrained to
+* GPT-2, Llama (fsdp, bf16-master, activation checkpointing) and BERT train
+  on 2 ranks through the real loop, and the loss falls; hf_model/ is written at the end and reloads with from_pretrained to
   the same weights and logits, as does ``python -m dist_trainer.export`` of
   the checkpoint (ddp and fsdp);
 * bad input is a ConfigError naming the key.
@@ -75,7 +75,7 @@ def hf_text_data(text: Path, cache: Path, task: str, block_size: int = 32) -> di
 
 
 def config(model: dict, data: dict, micro: int, strategy: str = "ddp", steps: int = STEPS,
-           optim: OptimConfig | None = None, precision: str = "fp32") -> Config:
+           optim: OptimConfig | None = None, precision: str = "fp32", ac: bool = False) -> Config:
     return Config(
         model=model, data=data,
         batch=BatchConfig(micro_batch_size=micro, global_batch_size=GLOBAL),
@@ -83,7 +83,7 @@ def config(model: dict, data: dict, micro: int, strategy: str = "ddp", steps: in
         optim=optim or OptimConfig(name="sgd", lr=0.5, momentum=0.0, weight_decay=0.0, warmup_steps=0,
                                    schedule="constant", grad_clip=None),
         trainer=TrainerConfig(max_steps=steps, log_every=1, eval_every=0),
-        dist=DistConfig(strategy=strategy),
+        dist=DistConfig(strategy=strategy, activation_checkpointing=ac),
     )
 
 
@@ -176,6 +176,7 @@ def test_bad_input_names_the_key(tmp_path):
         (lambda: hf_model("seq2seq", "gpt2", {}), "model.task='seq2seq'"),
         (lambda: hf_model("causal_lm", "gpt2", dict(GPT2), block_size=64), "data.block_size=64"),
         (lambda: hf_model("causal_lm", pretrained=str(tmp_path / "missing")), "model.pretrained="),
+        (lambda: hf_model("causal_lm", "gpt2", dict(GPT2), tokenizer="bytes"), "model.config.vocab_size=256"),
         (lambda: hf_model("causal_lm", "gpt2", {"no_such_argument_for_sure": 1, **GPT2}, block_size=8), None),
     ]
     for make, key in cases[:-1]:
@@ -204,7 +205,7 @@ def _train_worker(rank: int, world: int, text: str, root: str) -> dict:
                        hf_text_data(text, root / "cache", "causal_lm"), 8, steps=12, optim=adamw),
         "llama-fsdp": config(causal_model("llama", LLAMA, tokenizer="bytes", block_size=32),
                              hf_text_data(text, root / "cache", "causal_lm"), 8, "fsdp", steps=12, optim=adamw,
-                             precision="bf16-master"),
+                             precision="bf16-master", ac=True),
         "bert": config(masked_model(), hf_text_data(text, root / "cache", "masked_lm"), 8, steps=12,
                        optim=OptimConfig(**{**vars(adamw), "lr": 1e-2})),
     }

@@ -157,6 +157,10 @@ def _from_tokenizer(spec: Optional[str], config: Dict[str, Any]) -> Dict[str, An
     from .tokenizer import load_tokenizer
 
     tok = load_tokenizer(spec)
+    if "vocab_size" in config and config["vocab_size"] < tok.vocab_size:
+        raise ConfigError(f"model.config.vocab_size={config['vocab_size']} is smaller than the vocabulary of "
+                          f"data.tokenizer={spec} ({tok.vocab_size} ids): raise it, or leave it unset to follow "
+                          "the tokenizer")
     known = {"vocab_size": tok.vocab_size, "eos_token_id": tok.eos_id, "bos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
     return {key: value for key, value in known.items() if key not in config and value is not None}
 
