@@ -180,6 +180,23 @@ def bench_env(**extra: str) -> Dict[str, str]:
     return env
 
 
+def run_dist_trainer(overrides: Sequence[str], steps: int, nproc: int = WORLD, fresh_inductor_cache: bool = False,
+                     base: Sequence[str] = DIST_TRAINER_OVERRIDES) -> List[dict]:
+    """One ``torchrun -m dist_trainer`` run of the benchmark job (``base``) with ``overrides``, in a
+    temporary directory; its metrics.jsonl records. ``fresh_inductor_cache``: compile cold."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        run_dir = Path(tmp) / "run"
+        cmd = torchrun_cmd("-m", "dist_trainer", *base, *overrides, f"trainer.max_steps={steps}",
+                           f"trainer.log_every={steps}", f"hydra.run.dir={run_dir}", nproc=nproc)
+        env = bench_env(**({"TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor")} if fresh_inductor_cache else {}))
+        proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{list(overrides)} on {nproc} ranks failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+        return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def runner_args() -> argparse.Namespace:
     """The command line every per-framework runner takes: timed steps and where to write the times."""
     parser = argparse.ArgumentParser()

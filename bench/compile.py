@@ -20,31 +20,15 @@ Strategies and compile settings alternate within each round.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DIST_TRAINER_OVERRIDES, bench_env, machine_description, torchrun_cmd  # noqa: E402
+from common import machine_description, run_dist_trainer  # noqa: E402
 
 RUNS = {(strategy, compiled): [f"dist.strategy={strategy}", f"trainer.compile={str(compiled).lower()}"]
         for strategy in ("ddp", "fsdp") for compiled in (False, True)}
-
-
-def run_job(overrides: list, steps: int) -> list:
-    with tempfile.TemporaryDirectory(prefix="bench-compile-") as tmp:
-        run_dir = Path(tmp) / "run"
-        cmd = torchrun_cmd("-m", "dist_trainer", *DIST_TRAINER_OVERRIDES, *overrides, f"trainer.max_steps={steps}",
-                           "trainer.eval_every=100", "trainer.eval_batches=2", f"trainer.log_every={steps}",
-                           f"hydra.run.dir={run_dir}")
-        env = bench_env(TORCHINDUCTOR_CACHE_DIR=str(Path(tmp) / "inductor"))
-        proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{overrides} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-        return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def main() -> None:
@@ -57,7 +41,8 @@ def main() -> None:
     results = {key: [] for key in RUNS}
     for rnd in range(1, args.rounds + 1):
         for key, overrides in RUNS.items():
-            recs = run_job(overrides, args.steps)
+            recs = run_dist_trainer(overrides + ["trainer.eval_every=100", "trainer.eval_batches=2"], args.steps,
+                                    fresh_inductor_cache=True)
             median = statistics.median(r["step_time_s"] for r in recs[args.warmup:])
             row = {"median": median, "compile_s": recs[0]["step_time_s"] - median, "loss": recs[-1]["loss"],
                    "recompiles": recs[-1].get("recompiles"), "epochs": recs[-1]["epoch"],

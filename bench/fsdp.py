@@ -25,29 +25,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DIST_TRAINER_OVERRIDES, bench_env, machine_description, torchrun_cmd  # noqa: E402
+from common import machine_description, run_dist_trainer  # noqa: E402
 
 MIB = 2**20
 STRATEGIES = {"ddp": ["dist.strategy=ddp"], "fsdp last": ["dist.strategy=fsdp", "dist.fsdp.accum_sync=last"],
               "fsdp every": ["dist.strategy=fsdp", "dist.fsdp.accum_sync=every"]}
-
-
-def run_job(overrides: list, nproc: int, steps: int) -> list:
-    """One torchrun run of the benchmark job with ``overrides``; its metrics.jsonl records."""
-    with tempfile.TemporaryDirectory(prefix="bench-fsdp-") as tmp:
-        run_dir = Path(tmp) / "run"
-        cmd = torchrun_cmd("-m", "dist_trainer", *DIST_TRAINER_OVERRIDES, *overrides, f"trainer.max_steps={steps}",
-                           f"trainer.log_every={steps}", f"hydra.run.dir={run_dir}", nproc=nproc)
-        proc = subprocess.run(cmd, cwd=tmp, env=bench_env(), capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{overrides} on {nproc} ranks failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-        return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def memory_part(steps: int) -> list:
@@ -61,8 +47,8 @@ def memory_part(steps: int) -> list:
             for name, keys in STRATEGIES.items():
                 if name == "fsdp every" and accum == 1:
                     continue  # the same as last with one micro-batch
-                rec = run_job(keys + ["batch.micro_batch_size=4", f"batch.global_batch_size={4 * accum * world}"],
-                              world, steps)[-1]
+                rec = run_dist_trainer(keys + ["batch.micro_batch_size=4",
+                                               f"batch.global_batch_size={4 * accum * world}"], steps, world)[-1]
                 row = {"strategy": name, "world": world, "accum": accum, **{k: rec.get(k) for k in (
                     "state_mb", "peak_mem_mb", "allreduces", "allreduce_bytes", "reduce_scatters",
                     "reduce_scatter_bytes", "all_gathers", "all_gather_bytes", "step_time_s")}}
@@ -83,7 +69,7 @@ def speed_part(rounds: int, warmup: int, timed: int) -> dict:
     results = {name: [] for name in STRATEGIES}
     for rnd in range(1, rounds + 1):
         for name, keys in STRATEGIES.items():
-            recs = run_job(keys, 2, warmup + timed)
+            recs = run_dist_trainer(keys, warmup + timed)
             times = [r["step_time_s"] for r in recs[warmup:]]
             results[name].append({"times": times, "loss": recs[-1]["loss"]})
             print(f"round {rnd} {name:10s} median {statistics.median(times) * 1000:7.1f} ms/step "
@@ -103,8 +89,8 @@ def ac_part(rounds: int, warmup: int, timed: int) -> dict:
     results = {False: [], True: []}
     for _ in range(rounds):
         for ac in (False, True):
-            recs = run_job(["batch.micro_batch_size=64", "batch.global_batch_size=128",
-                            f"dist.activation_checkpointing={str(ac).lower()}"], 2, warmup + timed)
+            recs = run_dist_trainer(["batch.micro_batch_size=64", "batch.global_batch_size=128",
+                                     f"dist.activation_checkpointing={str(ac).lower()}"], warmup + timed)
             results[ac].append({"times": [r["step_time_s"] for r in recs[warmup:]],
                                 "peak": recs[-1]["peak_mem_mb"], "loss": recs[-1]["loss"]})
     print("| activation checkpointing | peak RSS (MB) | median step (ms) | loss at the last step |")

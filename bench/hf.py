@@ -30,10 +30,12 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import BENCH, DIST_TRAINER_OVERRIDES, bench_env, machine_description, step_times, torchrun_cmd  # noqa: E402
+from common import BENCH, DIST_TRAINER_OVERRIDES, bench_env, machine_description, run_dist_trainer, step_times, torchrun_cmd  # noqa: E402
 
 HF_CONFIG = {"n_embd": 128, "n_layer": 4, "n_head": 4, "n_positions": 64, "vocab_size": 256,
              "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+
+# The job's overrides without the built-in GPT's model.* keys, which a transformers model has not.
 COMMON = [o for o in DIST_TRAINER_OVERRIDES if not o.startswith("model.")]
 RUNS = {
     "gpt": DIST_TRAINER_OVERRIDES,
@@ -44,21 +46,17 @@ RUNS = {
 
 def run(name: str, steps: int) -> tuple[list, float]:
     """(step times, loss of the last step) of one fresh 2-rank run."""
+    if name != "handwritten_hf":
+        recs = run_dist_trainer([], steps, base=RUNS[name])
+        return [r["step_time_s"] for r in recs], recs[-1]["loss"]
     with tempfile.TemporaryDirectory(prefix="bench-hf-") as tmp:
-        if name == "handwritten_hf":
-            out = Path(tmp) / "times.json"
-            cmd = torchrun_cmd(str(BENCH / "handwritten_hf.py"), "--steps", str(steps), "--out", str(out))
-        else:
-            cmd = torchrun_cmd("-m", "dist_trainer", *RUNS[name], f"trainer.max_steps={steps}",
-                               f"trainer.log_every={steps}", f"hydra.run.dir={tmp}/run")
+        out = Path(tmp) / "times.json"
+        cmd = torchrun_cmd(str(BENCH / "handwritten_hf.py"), "--steps", str(steps), "--out", str(out))
         proc = subprocess.run(cmd, cwd=tmp, env=bench_env(), capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-        if name == "handwritten_hf":
-            record = json.loads(out.read_text())
-            return [0.0] + step_times(record["ends"], 1, steps - 1), record["losses"][-1]
-        recs = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
-        return [r["step_time_s"] for r in recs], recs[-1]["loss"]
+        record = json.loads(out.read_text())
+        return [0.0] + step_times(record["ends"], 1, steps - 1), record["losses"][-1]
 
 
 def main() -> None:

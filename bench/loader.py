@@ -12,26 +12,12 @@ first 5 steps, at the first step of epoch 1, and the median ``step_time_s``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DIST_TRAINER_OVERRIDES, bench_env, machine_description, torchrun_cmd  # noqa: E402
-
-
-def run_job(workers: int, steps: int) -> list:
-    with tempfile.TemporaryDirectory(prefix="bench-loader-") as tmp:
-        run_dir = Path(tmp) / "run"
-        cmd = torchrun_cmd("-m", "dist_trainer", *DIST_TRAINER_OVERRIDES, f"data.num_workers={workers}",
-                           f"trainer.max_steps={steps}", f"trainer.log_every={steps}", f"hydra.run.dir={run_dir}")
-        proc = subprocess.run(cmd, cwd=tmp, env=bench_env(), capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"num_workers={workers} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-        return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+from common import machine_description, run_dist_trainer  # noqa: E402
 
 
 def main() -> None:
@@ -43,7 +29,7 @@ def main() -> None:
     rows = {w: [] for w in (0, 1, 2)}
     for rnd in range(1, args.rounds + 1):
         for workers in rows:
-            recs = run_job(workers, args.steps)
+            recs = run_dist_trainer([f"data.num_workers={workers}"], args.steps)
             timed = recs[5:]
             first_of_epoch1 = next(r for r in recs if r["epoch"] == 1)
             row = {"data_median_ms": 1e3 * statistics.median(r["data_time_s"] for r in timed),
