@@ -8,7 +8,7 @@ For each number of accumulation steps, on 2 CPU ranks:
   a few optimizer steps; StepOutcome.allreduces / allreduce_bytes are DDP's
   bucket all-reduces, counted by the framework's comm hook;
 * plain, no no_sync: DDP on the same model, backward on every micro-batch,
-  counted with dist_trainer.parallel.count_allreduces (DDP's default
+  counted with dist_trainer.parallel.ddp.count_allreduces (DDP's default
   all-reduce, counted);
 * plain, with no_sync: the same loop with no_sync on all but the last
   micro-batch (what dist_trainer should match).
@@ -46,7 +46,7 @@ def worker(out_path: str, steps: int) -> None:
     from dist_trainer import distributed
     from dist_trainer.config import BatchConfig, Config, OptimConfig, TrainerConfig, validate
     from dist_trainer.data import epoch_batches
-    from dist_trainer.parallel import count_allreduces
+    from dist_trainer.parallel.ddp import count_allreduces
     from dist_trainer.precision import ModelWeights
     from dist_trainer.run import build
 

@@ -139,7 +139,9 @@ def main(dict_cfg: DictConfig) -> None:
         if cfg.plan.only:
             from .plan import plan_report
 
-            print(plan_report(cfg, cfg.plan.world_size or distributed.world_size()))
+            print(plan_report(cfg, cfg.plan.world_size or distributed.world_size(),
+                              cfg.plan.nproc_per_node or distributed.launched_local_world_size(),
+                              run_dir / "plan.json"))
             return
         train(cfg, run_dir)
     except (ConfigError, LossScaleError, NonFiniteError, ConsistencyError, CheckpointError,

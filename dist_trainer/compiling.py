@@ -1,6 +1,6 @@
-"""``trainer.compile``: torch.compile block by block, and a watch on what compiles when.
+"""``trainer.compile``: a watch on what compiles when, and eager evaluation.
 
-Blocks are compiled in place, after activation checkpointing and before DDP
+Blocks are compiled (``parallel.blocks.compile_blocks``) in place, after activation checkpointing and before DDP
 or FSDP wrap the model (the order torchtitan uses): each block's ``forward``
 becomes its compiled version, an instance attribute as activation
 checkpointing sets it. Parameter names and state dicts are unchanged, and the
@@ -20,27 +20,11 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import nullcontext
-from typing import Any, ContextManager, Dict, Optional, Sequence
+from typing import Any, ContextManager, Dict, Optional
 
 import torch
-from torch import nn
 
 log = logging.getLogger("dist_trainer")
-
-
-def _batch_dim_dynamic(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook: the leading (batch) dimension of the positional tensor inputs varies."""
-    for arg in args:
-        for value in (arg.values() if isinstance(arg, dict) else (arg,)):
-            if isinstance(value, torch.Tensor) and value.ndim >= 1:
-                torch._dynamo.maybe_mark_dynamic(value, 0)  # a hint: no error where the size is 0 or 1
-
-
-def compile_blocks(blocks: Sequence[nn.Module], model: nn.Module) -> None:
-    """Compile each block's forward in place; the whole model's forward when it declares no blocks."""
-    for module in blocks or [model]:
-        module.register_forward_pre_hook(_batch_dim_dynamic, with_kwargs=True)
-        module.forward = torch.compile(module.forward)
 
 
 def compiled_frames() -> int:

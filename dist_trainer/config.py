@@ -8,6 +8,7 @@ checked ``Config`` and derives the ``BatchPlan`` before any tensor exists.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -19,8 +20,12 @@ SCHEDULES = ("constant", "cosine")
 NONFINITE_POLICIES = ("stop", "skip")
 STRATEGIES = ("ddp", "fsdp")
 ACCUM_SYNCS = ("last", "every")
+RESHARDS = ("micro_batch", "forward", "step")
 # Keys of the data node that the framework owns; they never reach the dataset.
 LOADER_KEYS = ("shuffle", "drop_last", "num_workers", "prefetch_factor")
+
+
+log = logging.getLogger("dist_trainer")
 
 
 class ConfigError(ValueError):
@@ -102,7 +107,15 @@ class FSDPConfig:
     # last: reduce-scatter once per optimizer step, with the last micro-batch (the unsharded
     # gradient is kept between micro-batches); every: with every micro-batch (less memory).
     accum_sync: str = "last"
-    reshard_after_forward: bool = True  # free gathered parameters after each unit's forward
+    # When a unit's gathered parameters are freed: micro_batch (after each forward and each
+    # backward: 2K all-gathers per unit for K micro-batches), forward (kept from a micro-batch's
+    # forward to its backward: K), step (kept from the step's first forward to its last backward: 1).
+    reshard: str = "micro_batch"
+    # Ranks in one shard group: null (all), "node" (the local world size: shard within a node,
+    # replicate across nodes, i.e. hsdp) or a divisor of the world size.
+    shard_size: Any = None
+    prefetch: int = 1  # units gathered ahead in forward and backward; 0: FSDP2's own defaults
+    reshard_after_forward: Optional[bool] = None  # deprecated: true is reshard=micro_batch, false reshard=forward
 
 
 @dataclass
@@ -127,6 +140,7 @@ class DistConfig:
 class PlanConfig:
     only: bool = False  # print the plan and exit: no process group, no training
     world_size: Optional[int] = None  # plan for this many ranks (default: the launch's)
+    nproc_per_node: Optional[int] = None  # ranks per node, for dist.fsdp.shard_size=node (default: the launch's)
 
 
 @dataclass
@@ -143,6 +157,55 @@ class Config:
 
 
 @dataclass(frozen=True)
+class MeshShape:
+    """The shape of the data-parallel world, decided once (``derive_mesh``) and handed to the strategy.
+
+    ``replicate`` x ``shard`` = world size. Ranks ``r * shard ... r * shard + shard - 1``
+    form shard group ``r`` (consecutive ranks: one node's under ``shard_size=node``);
+    rank ``s`` of every group holds the same shard. ddp shards nothing (shard 1).
+    """
+
+    strategy: str  # ddp | fsdp
+    replicate: int
+    shard: int
+
+    @property
+    def world_size(self) -> int:
+        return self.replicate * self.shard
+
+    @property
+    def kind(self) -> str:
+        """ddp, fsdp (one shard group of every rank) or hsdp (shard groups replicated)."""
+        if self.strategy == "ddp":
+            return "ddp"
+        return "fsdp" if self.replicate == 1 else "hsdp"
+
+    def describe(self) -> str:
+        if self.kind == "ddp":
+            return f"ddp: {self.replicate} replicas"
+        if self.kind == "fsdp":
+            return f"fsdp: 1 shard group of {self.shard} ranks"
+        return f"hsdp: {self.replicate} replicas x shard groups of {self.shard} ranks"
+
+
+def derive_mesh(dist: "DistConfig", world_size: int, local_world_size: int) -> MeshShape:
+    """The mesh of ``dist.strategy`` and ``dist.fsdp.shard_size``; ConfigError naming the key."""
+    if dist.strategy == "ddp":
+        return MeshShape("ddp", world_size, 1)
+    size = dist.fsdp.shard_size
+    if size is None:
+        return MeshShape("fsdp", 1, world_size)
+    if size == "node":
+        _check(world_size % local_world_size == 0, "dist.fsdp.shard_size", size,
+               f"the world size {world_size} is not a whole number of nodes of {local_world_size} ranks")
+        return MeshShape("fsdp", world_size // local_world_size, local_world_size)
+    _check(isinstance(size, int) and not isinstance(size, bool) and size >= 1 and world_size % size == 0,
+           "dist.fsdp.shard_size", size, f"must be null, node, or a divisor of the world size {world_size} "
+           f"(one of {_divisors(world_size)})")
+    return MeshShape("fsdp", world_size // size, size)
+
+
+@dataclass(frozen=True)
 class BatchPlan:
     """The derived numbers of one optimizer step, for a given world size."""
 
@@ -153,6 +216,7 @@ class BatchPlan:
     base_lr: float
     lr: float  # after scaling for the effective batch
     max_steps: int
+    mesh: Optional[MeshShape] = None  # None: derive it from the config (built by hand, not by validate)
 
     def describe(self) -> str:
         return (
@@ -267,8 +331,25 @@ def _validate_values(cfg: Config) -> None:
     _check(d.strategy in STRATEGIES, "dist.strategy", d.strategy, f"choose one of {STRATEGIES}")
     _check(d.fsdp.accum_sync in ACCUM_SYNCS, "dist.fsdp.accum_sync", d.fsdp.accum_sync,
            f"choose one of {ACCUM_SYNCS}")
+    f = d.fsdp
+    if f.reshard_after_forward is not None:
+        implied = "micro_batch" if f.reshard_after_forward else "forward"
+        _check(f.reshard in ("micro_batch", implied), "dist.fsdp.reshard_after_forward", f.reshard_after_forward,
+               f"is replaced by dist.fsdp.reshard and contradicts dist.fsdp.reshard={f.reshard}: drop it")
+        log.warning("dist.fsdp.reshard_after_forward=%s is deprecated: it is dist.fsdp.reshard=%s now; set that",
+                    f.reshard_after_forward, implied)
+        f.reshard, f.reshard_after_forward = implied, None
+    _check(f.reshard in RESHARDS, "dist.fsdp.reshard", f.reshard, f"choose one of {RESHARDS}")
+    _check(isinstance(f.prefetch, int) and not isinstance(f.prefetch, bool) and f.prefetch >= 0,
+           "dist.fsdp.prefetch", f.prefetch, "must be an integer >= 0 (units gathered ahead; 0: FSDP2's defaults)")
+    _check(f.shard_size is None or f.shard_size == "node" or
+           (isinstance(f.shard_size, int) and not isinstance(f.shard_size, bool) and f.shard_size >= 1),
+           "dist.fsdp.shard_size", f.shard_size, "must be null (all ranks), node, or a number of ranks >= 1")
     _check(d.blocks is None or (isinstance(d.blocks, list) and all(isinstance(b, str) and b for b in d.blocks)),
            "dist.blocks", d.blocks, "must be a list of class names, or null for what the model declares")
+    if d.strategy == "ddp":
+        _check(f.shard_size is None, "dist.fsdp.shard_size", f.shard_size,
+               "shapes the shard groups of dist.strategy=fsdp (hsdp): set dist.strategy=fsdp, or drop it under ddp")
     if d.strategy == "fsdp":
         # Combinations fsdp does not support, named by both keys, before anything is built.
         _check(not d.sync_batchnorm, "dist.sync_batchnorm", d.sync_batchnorm,
@@ -294,8 +375,10 @@ def _validate_values(cfg: Config) -> None:
            "must be null (2 per worker) or an integer >= 1 (micro-batches each DataLoader worker keeps ready)")
 
 
-def validate(cfg: Config, world_size: int) -> BatchPlan:
-    """Check every value and derive the batch plan; raises ConfigError naming the key.
+def validate(cfg: Config, world_size: int, local_world_size: Optional[int] = None) -> BatchPlan:
+    """Check every value and derive the batch plan and the mesh; raises ConfigError naming the key.
+
+    ``local_world_size``: ranks per node (null: all ranks on one node).
 
     With batch.micro_batch_size=auto the plan is provisional (micro batch 1)
     until the finder has run; the global batch must then be given.
@@ -315,6 +398,7 @@ def validate(cfg: Config, world_size: int) -> BatchPlan:
                f"must be a positive multiple of the world size {world_size} with batch.micro_batch_size=auto")
         batch = BatchConfig(micro_batch_size=1, global_batch_size=glob)  # provisional, until the finder runs
     accum, glob = derive_batch(batch, world_size)
+    mesh = derive_mesh(cfg.dist, world_size, local_world_size or world_size)
     return BatchPlan(
         world_size=world_size,
         micro_batch_size=batch.micro_batch_size,
@@ -323,4 +407,5 @@ def validate(cfg: Config, world_size: int) -> BatchPlan:
         base_lr=cfg.optim.lr,
         lr=scaled_lr(cfg.optim, glob),
         max_steps=cfg.trainer.max_steps,
+        mesh=mesh,
     )

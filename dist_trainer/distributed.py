@@ -7,6 +7,7 @@ import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,7 @@ class DistEnv:
     device: torch.device
     backend: str
     owns_group: bool
+    local_world_size: int = 1  # ranks on this node (torchrun's LOCAL_WORLD_SIZE): the node a shard group may fill
 
     @property
     def is_main(self) -> bool:
@@ -40,6 +42,16 @@ def rank() -> int:
 def local_rank() -> int:
     """This process's rank on its node (0 when not launched by torchrun)."""
     return _int_env("LOCAL_RANK", 0)
+
+
+def local_world_size() -> int:
+    """Ranks on this node (LOCAL_WORLD_SIZE); without torchrun, every rank is on this node."""
+    return _int_env("LOCAL_WORLD_SIZE", world_size())
+
+
+def launched_local_world_size() -> Optional[int]:
+    """Ranks per node as torchrun set it; None outside torchrun."""
+    return int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None
 
 
 def world_size() -> int:
@@ -102,7 +114,9 @@ def init(device_preference: str = "auto", timeout_s: int = 1800) -> DistEnv:
         else:
             # python -m dist_trainer: a group of one, so the code path is the same.
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    return DistEnv(dist.get_rank(), local_rank, dist.get_world_size(), device, dist.get_backend(), owns_group)
+    world = dist.get_world_size()
+    return DistEnv(dist.get_rank(), local_rank, world, device, dist.get_backend(), owns_group,
+                   _int_env("LOCAL_WORLD_SIZE", world))
 
 
 def _torchrun_store(rank: int, world: int, timeout: timedelta) -> dist.Store:

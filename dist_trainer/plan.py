@@ -2,25 +2,37 @@
 
 ``python -m dist_trainer plan.only=true plan.world_size=64`` validates the
 config exactly as the trainer would for 64 ranks (an impossible split fails
-the same way) and prints what one optimizer step costs.
+the same way) and prints what one optimizer step costs: every collective, its
+calls and bytes, and the model state per rank. The same numbers go to
+``plan.json`` under the keys metrics.jsonl uses, and a run's full steps match
+them exactly (tests hold them to it).
 """
 
 from __future__ import annotations
 
+import json
 import math
-from typing import Dict, List
+from pathlib import Path
+from typing import Any, Dict, List, Optional
 
 import torch
 from hydra.utils import instantiate
+from torch import nn
 
-from .config import Config, validate
+from .config import BatchPlan, Config, ConfigError, MeshShape, validate
 from .data import StepPlan, build_dataset
-from .parallel import find_blocks
+from .parallel.blocks import find_blocks
 from .precision import Precision
 
 MIB = 2**20
 FIRST_BUCKET_BYTES = 1 * MIB  # DDP's smaller first bucket when bucket_cap_mb is left to it
 DEFAULT_BUCKET_MB = 25.0
+COMM_KEYS = ("all_gathers", "all_gather_bytes", "reduce_scatters", "reduce_scatter_bytes",
+             "allreduces", "allreduce_bytes", "step_allreduces", "step_allreduce_bytes")
+# Which mesh dimension each kind of collective runs over (hsdp: shard groups, replicas).
+COMM_DIMS = {"ddp": {"allreduces": "all ranks"},
+             "fsdp": {"all_gathers": "shard", "reduce_scatters": "shard"},
+             "hsdp": {"all_gathers": "shard", "reduce_scatters": "shard", "allreduces": "replicate"}}
 
 
 def expected_buckets(params: List[torch.Tensor], bucket_cap_mb: float | None) -> List[tuple[torch.dtype, int]]:
@@ -45,6 +57,112 @@ def expected_buckets(params: List[torch.Tensor], bucket_cap_mb: float | None) ->
     return closed + [(dtype, n) for dtype, n in open_buckets.items() if n > 0]
 
 
+def shard_elements(p: torch.Tensor, shard: int) -> int:
+    """Elements of one rank's (padded) shard: FSDP2 cuts dim 0 as torch.chunk does, rank 0's the largest."""
+    rows = p.shape[0] if p.ndim else 1
+    return math.ceil(rows / shard) * (p.numel() // max(rows, 1))
+
+
+def fsdp_units(model: nn.Module, blocks: List[nn.Module]) -> List[List[nn.Parameter]]:
+    """The parameters of each FSDP unit: each block's, then the root's (the rest; tied ones once)."""
+    seen: set = set()
+    units = []
+    for module in [*blocks, model]:
+        params = [p for p in module.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in params)
+        units.append(params)
+    return units
+
+
+def expected_comm(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision) -> Dict[str, int]:
+    """Calls and bytes of every collective of one full optimizer step after the first, by metrics key.
+
+    ddp: one all-reduce per bucket (bytes as the hook sends them). fsdp/hsdp, per
+    unit with parameters, for K micro-batches: all-gathers 2K (reshard=micro_batch),
+    K (forward) or 1 (step), of the gathered, padded unit in the compute dtype;
+    reduce-scatters 1 (accum_sync=last) or K (every) of its padded FP32 gradient;
+    hsdp adds one all-reduce across replicas of its FP32 gradient shard. A shard
+    group of one rank gathers and scatters nothing. The step's own all-reduce of
+    totals and flags (float64) is named apart.
+    """
+    mesh: MeshShape = plan.mesh
+    counts = dict.fromkeys(COMM_KEYS, 0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    accum = plan.accum_steps
+    if mesh.kind == "ddp":
+        sent = precision.weights_type.sent_element_size  # master modes send FP32 copies of half buckets
+        buckets = expected_buckets(params, cfg.dist.bucket_cap_mb)
+        counts["allreduces"] = len(buckets)
+        counts["allreduce_bytes"] = sum(n * (sent or dtype.itemsize) for dtype, n in buckets)
+    else:
+        gathers = {"micro_batch": 2 * accum, "forward": accum, "step": 1}[cfg.dist.fsdp.reshard]
+        scatters = 1 if cfg.dist.fsdp.accum_sync == "last" else accum
+        S = mesh.shard
+        for unit in fsdp_units(model, find_blocks(model, cfg.dist.blocks)):
+            if not unit:
+                continue  # a root with every parameter in blocks: FSDP has nothing to gather for it
+            gathered = sum(shard_elements(p, S) * (precision.param_dtype or p.dtype).itemsize for p in unit)
+            trainable = sum(shard_elements(p, S) for p in unit if p.requires_grad) * 4  # reduced in FP32
+            if S > 1:
+                counts["all_gathers"] += gathers
+                counts["all_gather_bytes"] += gathers * S * gathered
+                if trainable:
+                    counts["reduce_scatters"] += scatters
+                    counts["reduce_scatter_bytes"] += scatters * S * trainable
+            if mesh.replicate > 1 and trainable:
+                counts["allreduces"] += 1
+                counts["allreduce_bytes"] += trainable
+    counts["step_allreduces"] = 1
+    counts["step_allreduce_bytes"] = (5 + mesh.world_size) * 8  # float64 totals, norm, stop and per-rank flags
+    return counts
+
+
+def expected_peak_extra_bytes(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision) -> int:
+    """Gathered parameters and unsharded gradients held at once at the step's peak, on one rank.
+
+    ddp: none (nothing is gathered; the whole gradient is part of state_mb).
+    fsdp/hsdp, with G a unit's gathered size in the compute dtype and R its
+    unsharded FP32 gradient: gathered at once, ``micro_batch`` holds the root
+    and 1 + prefetch blocks (a unit being used and the next one prefetched;
+    FSDP2 prefetches one in backward even with prefetch 0), ``forward`` and
+    ``step`` every unit. Gradients: with ``accum_sync=last`` and K > 1 every
+    unit's R is kept between micro-batches while the next forward gathers;
+    otherwise one unit's gradient is reduced as it is made, and takes the place
+    of its freed parameters, except under ``step``, where nothing is freed
+    before the last backward (the largest unit's R on top, K > 1).
+    """
+    mesh = plan.mesh
+    if mesh.kind == "ddp":
+        return 0
+    S = mesh.shard
+    units = [u for u in fsdp_units(model, find_blocks(model, cfg.dist.blocks)) if u]
+    gathered = [sum(shard_elements(p, S) * (precision.param_dtype or p.dtype).itemsize for p in u) * S for u in units]
+    grads = [sum(shard_elements(p, S) for p in u if p.requires_grad) * 4 * S for u in units]
+    blocks, root = gathered[:-1], gathered[-1]
+    reshard, accum = cfg.dist.fsdp.reshard, plan.accum_steps
+    if reshard == "micro_batch":
+        held = root + sum(sorted(blocks, reverse=True)[:1 + max(cfg.dist.fsdp.prefetch, 1)])
+    else:
+        held = sum(gathered)
+    if cfg.dist.fsdp.accum_sync == "last" and accum > 1:
+        return held + sum(grads)
+    if reshard == "step" and accum > 1:
+        return held + max(grads)
+    return held
+
+
+def resumed_step_comm(counts: Dict[str, int]) -> Dict[str, int]:
+    """The first step after a resume measures state_mb (with its step peak) on its mesh again: one 16-byte all-reduce."""
+    return {**counts, "step_allreduces": counts["step_allreduces"] + 1,
+            "step_allreduce_bytes": counts["step_allreduce_bytes"] + 16}
+
+
+def first_step_comm(counts: Dict[str, int]) -> Dict[str, int]:
+    """Step 1 adds two one-time float64 all-reduces: the first loss divisor, and state_mb with its step peak."""
+    return {**counts, "step_allreduces": counts["step_allreduces"] + 2,
+            "step_allreduce_bytes": counts["step_allreduce_bytes"] + 8 + 16}
+
+
 def _optimizer_state_elements(cfg: Config, elements: int, tensors: int) -> int:
     """FP32 elements of optimizer state for ``elements`` weights in ``tensors`` tensors."""
     if cfg.optim.name == "adamw":
@@ -52,12 +170,12 @@ def _optimizer_state_elements(cfg: Config, elements: int, tensors: int) -> int:
     return elements if cfg.optim.momentum > 0 else 0  # SGD's momentum buffer
 
 
-def expected_state_bytes(cfg: Config, params: List[torch.Tensor], world_size: int) -> int:
+def expected_state_bytes(cfg: Config, params: List[torch.Tensor], shard: int) -> int:
     """Model state one rank holds after an optimizer step (what ``state_mb`` measures), on the largest rank.
 
     ddp: every rank holds the parameters and their gradients in the parameters' dtype,
     the FP32 masters and their FP32 gradients in master modes, and the optimizer's
-    FP32 state. fsdp: each tensor is cut in ``world_size`` chunks along its first
+    FP32 state. fsdp/hsdp: each tensor is cut in ``shard`` chunks (the shard group) along its first
     dimension (rank 0's is the largest); rank 0 holds its chunk of the FP32 parameter
     (which is the master in master modes), of its FP32 gradient and of the optimizer state.
     """
@@ -66,7 +184,7 @@ def expected_state_bytes(cfg: Config, params: List[torch.Tensor], world_size: in
         local = 0
         for p in params:
             rows = p.shape[0] if p.ndim else 1
-            local += min(math.ceil(rows / world_size), rows) * (p.numel() // max(rows, 1))
+            local += min(math.ceil(rows / shard), rows) * (p.numel() // max(rows, 1))
         return 4 * (2 * local + _optimizer_state_elements(cfg, local, tensors))
     elements = sum(p.numel() for p in params)
     own = 2 * sum(p.numel() * p.element_size() for p in params)  # parameters and their gradients
@@ -74,53 +192,103 @@ def expected_state_bytes(cfg: Config, params: List[torch.Tensor], world_size: in
     return own + masters + 4 * _optimizer_state_elements(cfg, elements, tensors)
 
 
-def plan_report(cfg: Config, world_size: int) -> str:
-    plan = validate(cfg, world_size)
-    dataset = build_dataset(cfg.data)
-    step_plan = StepPlan.for_config(len(dataset), cfg, plan, rank=0)
-    precision = Precision(cfg.precision, torch.device("cpu"))
-    with torch.device("meta"):  # shapes and dtypes only: no memory, no initialisation cost
+def meta_model(cfg: Config, precision: Precision) -> nn.Module:
+    """The model as the strategy would hold it, on the meta device: shapes and dtypes, no memory."""
+    with torch.device("meta"):
         model = instantiate(cfg.model, _convert_="all")
         if cfg.dist.strategy == "ddp":  # fsdp keeps FP32 shards and casts when it gathers
             precision.prepare(model)
+    return model
+
+
+def plan_numbers(cfg: Config, plan: BatchPlan) -> Dict[str, Any]:
+    """What plan.json holds: the mesh, the split, and each metrics.jsonl key a full step will show."""
+    precision = Precision(cfg.precision, torch.device("cpu"))
+    model = meta_model(cfg, precision)
     params = [p for p in model.parameters() if p.requires_grad]
-    count = sum(p.numel() for p in params)
-    buckets = expected_buckets(params, cfg.dist.bucket_cap_mb)
-    sent = precision.weights_type.sent_element_size  # master modes send FP32 copies of half buckets
-    bucket_bytes = [n * (sent or dtype.itemsize) for dtype, n in buckets]
-    stats_bytes = (5 + world_size) * 8  # the step's one float64 all-reduce of totals and flags
+    auto = cfg.batch.micro_batch_size == "auto"  # the split, and so K, is known only once the finder has run
+    step = None if auto else expected_comm(cfg, plan, model, precision)
+    mesh = plan.mesh
+    return {
+        "world_size": plan.world_size, "mesh": {"kind": mesh.kind, "replicate": mesh.replicate, "shard": mesh.shard},
+        "comm_dims": COMM_DIMS[mesh.kind],
+        "micro_batch_size": None if auto else plan.micro_batch_size, "accum_steps": None if auto else plan.accum_steps,
+        "global_batch_size": plan.global_batch_size,
+        "dist.fsdp.reshard": cfg.dist.fsdp.reshard if mesh.kind != "ddp" else None,
+        "dist.fsdp.accum_sync": cfg.dist.fsdp.accum_sync if mesh.kind != "ddp" else None,
+        "parameters": sum(p.numel() for p in params),
+        "state_mb": expected_state_bytes(cfg, params, mesh.shard) / MIB,
+        "step_peak_state_mb": None if auto else (expected_state_bytes(cfg, params, mesh.shard)
+                                                 + expected_peak_extra_bytes(cfg, plan, model, precision)) / MIB,
+        "step": step, "first_step": None if step is None else first_step_comm(step),
+        "resumed_step": None if step is None else resumed_step_comm(step),
+    }
+
+
+def write_plan_json(numbers: Dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(numbers, indent=1) + "\n")
+
+
+def _mib(n: int) -> str:
+    return f"{n / MIB:.2f} MiB ({n} bytes)"
+
+
+def comm_lines(numbers: Dict[str, Any], accum_steps: Optional[int]) -> List[str]:
+    """The printout of one full step's collectives."""
+    step, kind = numbers["step"], numbers["mesh"]["kind"]
+    if step is None:
+        return ["  collectives per optimizer step: known once batch.micro_batch_size=auto has chosen the split"]
+    if kind == "ddp":
+        return [f"  gradient all-reduces per optimizer step: {step['allreduces']} (DDP buckets, expected), "
+                f"{_mib(step['allreduce_bytes'])}; without no_sync it would be {step['allreduces'] * accum_steps}"]
+    lines = [f"  all-gathers per optimizer step: {step['all_gathers']} (over each shard group, "
+             f"dist.fsdp.reshard={numbers['dist.fsdp.reshard']}), {_mib(step['all_gather_bytes'])}",
+             f"  gradient reduce-scatters per optimizer step: {step['reduce_scatters']} (over each shard group, "
+             f"dist.fsdp.accum_sync={numbers['dist.fsdp.accum_sync']}), {_mib(step['reduce_scatter_bytes'])}"]
+    if kind == "hsdp":
+        lines.append(f"  gradient all-reduces per optimizer step: {step['allreduces']} (across the "
+                     f"{numbers['mesh']['replicate']} replicas, once per step), {_mib(step['allreduce_bytes'])}")
+    else:
+        lines.append("  no gradient all-reduce")
+    return lines
+
+
+def plan_report(cfg: Config, world_size: int, local_world_size: Optional[int] = None,
+                json_path: Optional[Path] = None) -> str:
+    if cfg.dist.strategy == "fsdp" and cfg.dist.fsdp.shard_size == "node" and local_world_size is None:
+        raise ConfigError("dist.fsdp.shard_size=node: plan mode needs the ranks per node; set plan.nproc_per_node")
+    plan = validate(cfg, world_size, local_world_size)
+    dataset = build_dataset(cfg.data)
+    step_plan = StepPlan.for_config(len(dataset), cfg, plan, rank=0)
+    numbers = plan_numbers(cfg, plan)
+    if json_path is not None:
+        write_plan_json(numbers, json_path)
     epochs = plan.max_steps / step_plan.steps_per_epoch
     auto = cfg.batch.micro_batch_size == "auto"
     split = (f"  micro batch auto (the largest that fits, chosen on the GPU at start-up) x accum steps "
              f"{plan.global_batch_size // world_size} / micro x world {world_size}"
              if auto else f"  micro batch {plan.micro_batch_size} x accum steps {plan.accum_steps} x world {world_size}")
-    no_sync = ("accum steps times that" if auto else f"{len(buckets) * plan.accum_steps}")
-    state = expected_state_bytes(cfg, params, world_size)
-    if cfg.dist.strategy == "fsdp":
-        units = len(find_blocks(model, cfg.dist.blocks)) + 1
-        every = cfg.dist.fsdp.accum_sync == "every"
-        comm = (f"  gradient reduce-scatters per optimizer step: {units * plan.accum_steps if every else units} "
-                f"(FSDP units: each block, then the root{', with every micro-batch' if every else ', once'}; "
-                f"dist.fsdp.accum_sync={cfg.dist.fsdp.accum_sync}), {4 * count / MIB:.2f} MiB of FP32 gradients "
-                "each time all units reduce; no gradient all-reduce")
-    else:
-        comm = (f"  gradient all-reduces per optimizer step: {len(buckets)} (DDP buckets, expected), "
-                f"{sum(bucket_bytes) / MIB:.2f} MiB ({sum(bucket_bytes)} bytes); without no_sync it would be {no_sync}")
+    state = int(numbers["state_mb"] * MIB)
+    own = numbers["step"] or {"step_allreduce_bytes": (5 + world_size) * 8}
     return "\n".join([
-        f"plan for world size {world_size} (no process group, nothing trained)",
+        f"plan for world size {world_size} (no process group, nothing trained); mesh {plan.mesh.describe()}",
         f"{split} = global batch {plan.global_batch_size} samples per optimizer step"
         + (f" ({plan.global_batch_size * dataset.block_size:,} tokens of data.block_size={dataset.block_size})"
            if isinstance(getattr(dataset, "block_size", None), int) else ""),
         f"  lr {plan.base_lr:g} -> {plan.lr:g} (optim.lr_scaling={cfg.optim.lr_scaling}"
         + (f", optim.base_batch_size={cfg.optim.base_batch_size})" if cfg.optim.lr_scaling != "none" else ")"),
-        f"  model {count:,} trainable parameters, precision {cfg.precision.name}",
-        comm,
-        f"  plus 1 all-reduce of {stats_bytes + 8 * (cfg.dist.strategy == 'fsdp')} bytes "
-        "(loss, item count, skip and stop flags" + (", squared shard norms)" if cfg.dist.strategy == "fsdp" else ")"),
+        f"  model {numbers['parameters']:,} trainable parameters, precision {cfg.precision.name}",
+        *comm_lines(numbers, plan.accum_steps),
+        f"  plus 1 all-reduce of {own['step_allreduce_bytes']} bytes (loss, item count, squared gradient norm, "
+        "skip and stop flags; step_allreduces; step 1 adds 2, of 8 and 16 bytes; the first after a resume 1, of 16)",
         f"  model state per rank after an optimizer step: {state / MIB:.2f} MiB ({state} bytes; state_mb, "
         f"dist.strategy={cfg.dist.strategy}, parameters, gradients, optimizer state"
         + (", FP32 masters)" if cfg.precision.name.endswith("-master") else ")"),
+        *([f"  at the step's peak, with gathered parameters and unsharded gradients: "
+           f"{numbers['step_peak_state_mb']:.2f} MiB (step_peak_state_mb)"] if numbers["step_peak_state_mb"] else []),
         f"  dataset {len(dataset):,} samples: {step_plan.steps_per_epoch} optimizer steps per epoch "
         f"(data.drop_last={cfg.data.get('drop_last', False)}); {plan.max_steps} steps = {epochs:.2f} epochs "
         f"= {math.ceil(epochs)} epoch(s) started",
+        *([f"  plan.json: {json_path}"] if json_path is not None else []),
     ])

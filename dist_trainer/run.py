@@ -7,6 +7,7 @@ import logging
 import os
 import time
 import traceback
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional
@@ -18,13 +19,14 @@ from torch import nn
 
 from . import checkpoint, distributed, hostmem
 from .compiling import CompileWatch, eager_eval
-from .config import BatchPlan, Config, ConfigError, validate
+from .config import BatchPlan, Config, ConfigError, derive_mesh, validate
 from .data import StepPlan, TrainLoader, build_dataset, eval_loader
 from .distributed import DistEnv
 from .finder import find_micro_batch_size, largest_divisor_at_most, model_trial
 from .metrics import Outputs, peak_flops, peak_mem_mb
 from .optim import build_optimizer
 from .parallel import build_strategy, check_consistency
+from .plan import plan_numbers, write_plan_json
 from .precision import Precision
 from .signals import Preempted, StopRequest
 from .trainer import StepOutcome, Trainer, loss_terms
@@ -44,15 +46,19 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: Any, precision: Precision, device: torch.device,
-             compiled: bool = False) -> float:
-    """Item-weighted mean loss over the held-out batches of all ranks (eagerly, also when compiled)."""
+             compiled: bool = False, context: Callable[[], Any] = nullcontext) -> float:
+    """Item-weighted mean loss over the held-out batches of all ranks (eagerly, also when compiled).
+
+    ``context``: the strategy's evaluation context (fsdp reshards what eval left gathered).
+    """
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)
-    for batch in loader:
-        with precision.autocast(), eager_eval(compiled):
-            output = model(to_device(batch, device))
-        loss_sum, items = loss_terms(output, batch, count=True)
-        totals += torch.stack([loss_sum.double(), items.double().to(device)])
+    with context():
+        for batch in loader:
+            with precision.autocast(), eager_eval(compiled):
+                output = model(to_device(batch, device))
+            loss_sum, items = loss_terms(output, batch, count=True)
+            totals += torch.stack([loss_sum.double(), items.double().to(device)])
     dist.all_reduce(totals)  # every rank calls it, even one with no eval batches
     model.train()
     return (totals[0] / totals[1]).item()
@@ -63,7 +69,7 @@ def startup_report(plan: BatchPlan, env: DistEnv, cfg: Config, model: nn.Module,
     params = sum(p.numel() for p in model.parameters())
     return (
         f"run dir {run_dir} | {env.world_size} rank(s) on {env.device.type} ({env.backend}) | "
-        f"precision {cfg.precision.name}\n"
+        f"precision {cfg.precision.name} | {plan.mesh.describe()}\n"
         f"plan: {plan.describe()}\n"
         f"model {getattr(model, 'name', cfg.model['_target_'])}: {params:,} parameters | data {cfg.data['_target_']}: "
         f"{step_plan.num_samples} samples, {step_plan.steps_per_epoch} optimizer steps per epoch"
@@ -72,7 +78,7 @@ def startup_report(plan: BatchPlan, env: DistEnv, cfg: Config, model: nn.Module,
 
 def train(cfg: Config, run_dir: Path) -> Dict[str, Any]:
     """Train as configured; every rank calls this. Returns rank-local summary numbers."""
-    plan = validate(cfg, distributed.world_size())  # before any tensor is allocated
+    plan = validate(cfg, distributed.world_size(), distributed.local_world_size())  # before any tensor is allocated
     if cfg.batch.micro_batch_size == "auto" and (cfg.trainer.device == "cpu" or not torch.cuda.is_available()):
         raise ConfigError("batch.micro_batch_size=auto measures GPU memory and needs a CUDA device; "
                           "on CPU set an integer batch.micro_batch_size")
@@ -111,7 +117,9 @@ def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
     step_plan = StepPlan.for_config(len(train_set), cfg, plan, env.rank)  # checks the data before the model
     eval_set = build_dataset(cfg.data, split="val") if "split" in cfg.data else None
     precision = Precision(cfg.precision, env.device)
-    strategy = build_strategy(instantiate(cfg.model, _convert_="all"), env, cfg.dist, precision, cfg.trainer.compile)
+    mesh = plan.mesh or derive_mesh(cfg.dist, env.world_size, env.local_world_size)
+    strategy = build_strategy(instantiate(cfg.model, _convert_="all"), env, cfg.dist, mesh, precision,
+                              cfg.trainer.compile)
     optimizer = build_optimizer(strategy.weights.optimizer_params(), cfg.optim, plan.lr)
     trainer = Trainer(strategy, optimizer, precision, env, plan, cfg.optim, cfg.trainer, cfg.batch.partial_step)
     torch.manual_seed(cfg.trainer.seed + env.rank)  # dropout and other runtime randomness per rank
@@ -129,7 +137,7 @@ def choose_micro_batch(cfg: Config, parts: Parts, env: DistEnv) -> BatchPlan:
         raise ConfigError("batch.micro_batch_size=auto: not even one sample fits in GPU memory; "
                           "use a smaller model or precision=bf16-master")
     cfg.batch.micro_batch_size = largest_divisor_at_most(per_rank, fits)
-    plan = validate(cfg, env.world_size)
+    plan = validate(cfg, env.world_size, env.local_world_size)
     if env.is_main:
         log.info("batch.micro_batch_size=auto: %d samples fit on every rank; using %d (divides %d per rank) "
                  "x accum steps %d", fits, plan.micro_batch_size, per_rank, plan.accum_steps)
@@ -156,6 +164,8 @@ def _train(cfg: Config, plan: BatchPlan, env: DistEnv, run_dir: Path) -> Dict[st
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         log.info(startup_report(plan, env, cfg, model, parts.step_plan, run_dir))
+        # What every full step's collectives and state will be, for a tool to compare with metrics.jsonl.
+        write_plan_json(plan_numbers(cfg, plan), run_dir / "plan.json")
     position = resume(parts, plan, env, run_dir, cfg.trainer.seed, cfg.trainer.keep_checkpoints)
     outputs = Outputs(run_dir, env.is_main, cfg.logger, plan.max_steps, position.step, cfg.trainer.log_every)
     stop = StopRequest()
@@ -264,7 +274,8 @@ def _loop(cfg: Config, parts: Parts, position: Position, outputs: Outputs, stop:
             record.update(compiles.after_step(step, now - tick) or {})
             last = step == plan.max_steps
             if evals is not None and ((tcfg.eval_every and step % tcfg.eval_every == 0) or last):
-                record["eval_loss"] = evaluate(trainer.module, evals, trainer.precision, env.device, tcfg.compile)
+                record["eval_loss"] = evaluate(trainer.module, evals, trainer.precision, env.device, tcfg.compile,
+                                               trainer.strategy.evaluation)
             outputs.write(record)
             if last or outcome.stop_requested or (tcfg.ckpt_every and step % tcfg.ckpt_every == 0):
                 save_checkpoint(parts, position, env, run_dir, tcfg.keep_checkpoints)
@@ -301,7 +312,7 @@ def step_record(outcome: StepOutcome, position: Position, trainer: Trainer, step
         "skipped_total": trainer.skipped_total, "updates": trainer.updates, "samples": position.samples,
         "items": outcome.items, "allreduces": outcome.allreduces, "allreduce_bytes": outcome.allreduce_bytes,
         **{k: v for k, v in outcome.comm.items() if k not in ("allreduces", "allreduce_bytes")},
-        "state_mb": outcome.state_mb,
+        "state_mb": outcome.state_mb, "step_peak_state_mb": outcome.step_peak_state_mb,
         "step_time_s": step_time, "data_time_s": data_time, "compute_time_s": step_time - data_time,
         "samples_per_s": outcome.samples / step_time, "items_per_s": outcome.items / step_time,
         "peak_mem_mb": peak_mem_mb(env.device),

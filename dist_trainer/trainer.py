@@ -6,7 +6,7 @@ One optimizer step, as pseudocode::
     for each micro-batch of the window:
         (in the strategy's micro-batch context: ddp's no_sync, or fsdp's gradient sync switch)
         autocast forward, then backward of loss_sum * scale / divisor  # scale and divisor fixed for the window
-    one all-reduce: [loss_sum, items, samples, non-finite flags, (fsdp) squared shard norms] over all ranks
+    one all-reduce: [loss_sum, items, samples, stop flag, squared gradient norm shares, non-finite flags]
     if any gradient is non-finite anywhere: skip (every rank alike), back the scale off
     if the step holds no items at all: skip it, the scale untouched
     else: grads *= world * divisor / (scale * items), clipped, in one multiply
@@ -32,7 +32,7 @@ from .config import BatchPlan, OptimConfig, TrainerConfig
 from .data import Window
 from .distributed import DistEnv
 from .optim import lr_at, set_lr
-from .parallel import local_tensor
+from .parallel.state import local_tensor
 from .precision import Precision
 
 log = logging.getLogger("dist_trainer")
@@ -57,9 +57,12 @@ class StepOutcome:
     allreduce_bytes: int
     skip_reason: Optional[str] = None  # "nonfinite" (an overflow in fp16) or "no_items"; None if applied
     # Every collective the strategy issued for gradients and parameters in this step, by kind:
-    # allreduces (ddp), reduce_scatters and all_gathers (fsdp), and their bytes.
+    # allreduces (ddp; hsdp across replicas), reduce_scatters and all_gathers (fsdp, hsdp), and
+    # their bytes; then the step's own small all-reduces (step_allreduces, step_allreduce_bytes).
     comm: Dict[str, int] = field(default_factory=dict)
     state_mb: Optional[float] = None  # model state of the largest rank after the update (see Trainer.state_mb)
+    # state_mb plus the most gathered parameters and unsharded gradients held at once during a step
+    step_peak_state_mb: Optional[float] = None
 
 
 def _leading_dim(batch: Any) -> int:
@@ -115,11 +118,16 @@ class Trainer:
         # MiB of model state on the largest rank, measured after the first applied update:
         # the tensors' sizes do not change after it (the optimizer state exists from then on).
         self.state_mb: Optional[float] = None
+        self.step_peak_state_mb: Optional[float] = None
+        # The trainer's own all-reduces (totals and flags; once, the first divisor and state_mb),
+        # counted where they are issued, as the strategy counts its collectives.
+        self.own_comm = {"step_allreduces": 0, "step_allreduce_bytes": 0}
 
     def train_step(self, batches: List[Any], window: Window, step: int,
                    stop_requested: Callable[[], bool] = lambda: False) -> StepOutcome:
         model, strategy, scale = self.model, self.strategy, self.precision.scaler.scale
-        comm0 = strategy.comm()
+        comm0 = {**strategy.comm(), **self.own_comm}
+        strategy.track_peak(self.state_mb is None)  # until the step that measures state_mb
         self.weights.zero_grad()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
         items = torch.zeros((), dtype=torch.float64, device=self.env.device)
@@ -139,19 +147,26 @@ class Trainer:
             items += mb_items
         totals = self._reduce_window(loss_sum, items, sum(len(ix) for ix in window), stop_requested)
         outcome = self._apply(totals, scale, step)
-        comm = strategy.comm()
+        if self.state_mb is None and not outcome.skipped:
+            self.state_mb, self.step_peak_state_mb = self._measure_state_mb()
+            strategy.track_peak(False)
+        comm = {**strategy.comm(), **self.own_comm}
         outcome.comm = {key: comm[key] - comm0[key] for key in comm}
         outcome.allreduces = outcome.comm.get("allreduces", 0)
         outcome.allreduce_bytes = outcome.comm.get("allreduce_bytes", 0)
-        if self.state_mb is None and not outcome.skipped:
-            self.state_mb = self._measure_state_mb()
-        outcome.state_mb = self.state_mb
+        outcome.state_mb, outcome.step_peak_state_mb = self.state_mb, self.step_peak_state_mb
         return outcome
+
+    def _all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
+        """The trainer's own all-reduce, counted."""
+        self.own_comm["step_allreduces"] += 1
+        self.own_comm["step_allreduce_bytes"] += tensor.numel() * tensor.element_size()
+        dist.all_reduce(tensor, op=op)
 
     def _first_divisor(self, items: torch.Tensor) -> float:
         """Items of the first micro-batch, averaged over ranks: once, at the first step."""
         total = items.detach().clone().to(torch.float64)
-        dist.all_reduce(total)
+        self._all_reduce(total)
         return max(total.item() / self.env.world_size, 1.0)
 
     def _reduce_window(self, loss_sum: torch.Tensor, items: torch.Tensor, samples: int,
@@ -166,30 +181,22 @@ class Trainer:
         """
         grads = [g for _, g in self.weights.grads()]
         world = self.env.world_size
-        sharded = self.strategy.grads_sharded
-        stats = torch.zeros(5 + world + sharded, dtype=torch.float64, device=self.env.device)
-        if sharded:  # each rank holds a shard: the squared norms add up over ranks
-            local = torch.stack(torch._foreach_norm(grads)).double() if grads else torch.zeros((), dtype=torch.float64)
-            stats[5 + world] = local.square().sum()
-        else:  # every rank holds the whole (already all-reduced) gradient
-            raw_norm = torch.nn.utils.get_total_norm(grads, error_if_nonfinite=False) if grads else torch.zeros(())
-            stats[3] = (~torch.isfinite(raw_norm)).to(torch.float64)
+        stats = torch.zeros(5 + world, dtype=torch.float64, device=self.env.device)
         # Read the stop flag now, at the step's end: a signal that came during
         # this step stops the run after it, not after the next one.
-        stats[0], stats[1], stats[2], stats[4] = loss_sum, items, samples, float(stop_requested())
+        stats[0], stats[1], stats[2], stats[3] = loss_sum, items, samples, float(stop_requested())
+        # The strategy knows what this rank holds (the whole gradient, or a shard, maybe
+        # replicated): its shares add up over ranks to the squared norm of the whole gradient.
+        stats[4] = self.strategy.grad_norm_sq(grads)
         stats[5 + self.env.rank] = (~torch.isfinite(loss_sum)).to(torch.float64)
-        dist.all_reduce(stats)
-        # The step's one host sync; the replicated norm (the same on every rank) rides along.
-        values = (stats if sharded else torch.cat([stats, raw_norm.to(stats).reshape(1)])).tolist()
+        self._all_reduce(stats)
+        values = stats.tolist()  # the step's one host sync
         bad_ranks = [r for r in range(world) if values[5 + r] > 0]
-        if sharded:  # an inf or NaN in any rank's shard makes the sum non-finite on every rank
-            norm = math.sqrt(values[5 + world]) if math.isfinite(values[5 + world]) else float("nan")
-            nonfinite = not math.isfinite(norm)
-        else:
-            norm = values[-1]
-            nonfinite = values[3] > 0
+        # An inf or NaN in any rank's gradients makes the sum non-finite on every rank.
+        norm = math.sqrt(values[4]) if math.isfinite(values[4]) else float("nan")
         return {"loss_sum": values[0], "items": values[1], "samples": int(values[2]),
-                "nonfinite": nonfinite or bool(bad_ranks), "stop": values[4] > 0, "bad_ranks": bad_ranks,
+                "nonfinite": not math.isfinite(norm) or bool(bad_ranks), "stop": values[3] > 0,
+                "bad_ranks": bad_ranks,
                 "raw_norm": norm}  # norm of the grads as they stand: scaled, not yet normalised
 
     def _apply(self, totals: dict, scale: float, step: int) -> StepOutcome:
@@ -240,12 +247,14 @@ class Trainer:
         """What must be bit-identical on every rank (the strategy knows what is replicated)."""
         return self.strategy.consistency_tensors()
 
-    def _measure_state_mb(self) -> float:
-        """MiB of parameters, gradients, optimizer state and FP32 masters on the largest rank."""
-        local = torch.tensor([float(state_bytes(self.strategy, self.optimizer))], dtype=torch.float64,
-                             device=self.env.device)
-        dist.all_reduce(local, op=dist.ReduceOp.MAX)
-        return local.item() / 2**20
+    def _measure_state_mb(self) -> tuple[float, float]:
+        """MiB of model state (parameters, gradients, optimizer state, FP32 masters) on the largest rank,
+        and that plus the step's peak of gathered parameters and unsharded gradients, in one all-reduce."""
+        state = float(state_bytes(self.strategy, self.optimizer))
+        local = torch.tensor([state, state + self.strategy.peak_bytes()], dtype=torch.float64, device=self.env.device)
+        self._all_reduce(local, op=dist.ReduceOp.MAX)
+        state_mb, peak_mb = (local / 2**20).tolist()
+        return state_mb, peak_mb
 
     def checkpoint_state(self) -> tuple[dict, Optional[dict]]:
         """(everything the step needs to continue exactly, in shared.pt; the sharded tensors or None).

@@ -147,7 +147,8 @@ def test_no_recompilation_over_epoch_boundaries_and_evaluations(ranks):
 
 
 def test_a_one_sample_micro_batch_compiles_once_more_and_says_so(caplog):
-    from dist_trainer.compiling import CompileWatch, compile_blocks
+    from dist_trainer.compiling import CompileWatch
+    from dist_trainer.parallel.blocks import compile_blocks
     from dist_trainer.models import GPT as Model
 
     torch.manual_seed(0)

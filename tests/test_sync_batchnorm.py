@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dist_trainer.sync_batchnorm import CPUSyncBatchNorm, convert_sync_batchnorm
+from dist_trainer.parallel.sync_batchnorm import CPUSyncBatchNorm, convert_sync_batchnorm
 
 WORLD_SIZE = 2
 TOL = dict(atol=1e-5, rtol=1e-5)

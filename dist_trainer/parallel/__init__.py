@@ -1,0 +1,81 @@
+"""Data-parallel strategies: the one owner of wrapping. The model code knows nothing of it.
+
+The tree, top to bottom (nothing imports what is above it)::
+
+    parallel/__init__.py   the Strategy protocol and build_strategy
+    ddp.py, fsdp.py        DistributedDataParallel; FSDP2 flat (fsdp) or hybrid (hsdp)
+    sync_batchnorm.py      BatchNorm statistics over all ranks (ddp)
+    blocks.py, state.py    the model's blocks (sharding, activation checkpointing, compile);
+                           optimizer state by parameter name, local shards
+    consistency.py         dist.check_consistency_every
+
+A strategy is chosen once, at build time, on the mesh ``validate`` derived
+(``config.MeshShape``), and answers the few questions the optimizer step asks,
+the same way for every strategy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ContextManager, Dict, List, Optional, Protocol, Tuple
+
+import torch
+from torch import nn
+
+from ..config import DistConfig, MeshShape
+from ..distributed import DistEnv
+from ..precision import Precision
+from .consistency import ConsistencyError, check_consistency
+
+__all__ = ["Strategy", "build_strategy", "ConsistencyError", "check_consistency"]
+
+
+class Strategy(Protocol):
+    name: str  # what checkpoints record: ddp or fsdp
+    mesh: MeshShape
+    model: nn.Module  # what the step calls
+    module: nn.Module  # the user's model as built (its parameter names)
+    weights: Any  # where the optimizer's FP32 weights and the step's gradients live: grads(), zero_grad(), ...
+
+    def micro_batch(self, last: bool) -> ContextManager:
+        """The context of one micro-batch's forward and backward: whether its backward reduces gradients."""
+
+    def evaluation(self) -> ContextManager:
+        """The context of evaluation's forward passes (leaves nothing gathered behind)."""
+
+    def grad_norm_sq(self, grads: List[torch.Tensor]) -> torch.Tensor:
+        """This rank's float64 share of the squared global gradient norm: summed over ranks, the norm squared."""
+
+    def track_peak(self, on: bool) -> None:
+        """Start (or stop) measuring what the step holds beyond the model state: gathered parameters, unsharded grads."""
+
+    def peak_bytes(self) -> int:
+        """The most such bytes held at once while tracked (0: nothing beyond the state)."""
+
+    def comm(self) -> Dict[str, int]:
+        """Collectives issued so far, counted where they are issued: calls and bytes by kind."""
+
+    def consistency_tensors(self) -> List[Tuple[str, torch.Tensor]]:
+        """What must be bit-identical on every rank."""
+
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        """The whole FP32 state dict (on rank 0 at least); every rank calls it."""
+
+    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
+        """(what rank 0 writes into shared.pt, the sharded tensors every rank writes its part of, or None)."""
+
+    def load_checkpoint_state(self, optimizer: torch.optim.Optimizer, saved: Dict[str, Any],
+                              shards: Optional[Path]) -> None:
+        """Continue from a checkpoint written by any strategy and mesh."""
+
+
+def build_strategy(model: nn.Module, env: DistEnv, cfg: DistConfig, mesh: MeshShape, precision: Precision,
+                   compile: bool = False) -> Strategy:
+    """The strategy of ``dist.strategy`` on ``mesh``, wrapping ``model`` (on the CPU, as instantiated)."""
+    if mesh.strategy == "fsdp":
+        from .fsdp import FSDPStrategy
+
+        return FSDPStrategy(model, env, cfg, mesh, precision, compile)
+    from .ddp import DDPStrategy
+
+    return DDPStrategy(model, env, cfg, mesh, precision, compile)

@@ -1,0 +1,315 @@
+"""``dist.strategy=fsdp``: FSDP2 (``fully_shard``) with exact accumulation, flat (fsdp) or hybrid (hsdp).
+
+Each block (``dist.blocks``, default what the model declares) is its own FSDP
+unit, then the root takes the rest (embeddings, head, final norm).
+
+Mesh (``dist.fsdp.shard_size``). fsdp: one shard group of every rank; parameters,
+gradients and optimizer state are cut over all of them. hsdp: a 2-D mesh
+(replicate, shard); each shard group (one node's ranks under ``node``) holds a
+whole copy of the model cut over its ranks. Gradients reduce-scatter within the
+shard group, then the shards all-reduce across replicas.
+
+Accumulation (``dist.fsdp.accum_sync``). ``last``: the first N-1 backward passes
+run with ``set_requires_gradient_sync(False)``, so each unit keeps its unsharded
+gradient and adds the next micro-batch into it; the last backward
+reduce-scatters (and, hsdp, all-reduces) the window's sum once. ``every``: each
+backward reduce-scatters its micro-batch and the sharded gradients add up (the
+least memory); under hsdp the replica all-reduce still waits for the last
+(``set_requires_all_reduce``). Either way the trainer then sees the sum of every
+micro-batch's gradient averaged over all ranks, as under ddp, and applies the
+same exact normalisation.
+
+Gathered parameters (``dist.fsdp.reshard``). ``micro_batch``: freed after each
+unit's forward and again after its backward (2K all-gathers per unit for K
+micro-batches, the root unit too: it is given ``reshard_after_forward=True``
+explicitly); ``forward``: kept from a micro-batch's forward to its backward (K);
+``step``: kept from the step's first forward to its last backward (1). The
+optimizer steps the sharded FP32 parameters, not the gathered copy: every unit
+is resharded after the step's last backward and after evaluation, so the next
+forward gathers the updated shards.
+
+Precision. fp32 and the *-mixed modes keep FP32 shards (autocast computes in
+half). The *-master modes use ``MixedPrecisionPolicy(param_dtype=half,
+reduce_dtype=float32)``: the sharded FP32 parameters are the masters, there is
+no second copy, and gradients are reduced in FP32.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict,
+                                                     set_state_dict)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+# torch has no public way to count FSDP's collectives; its own default collectives,
+# subclassed, are counted where FSDP issues them (set_custom_all_gather / _reduce_scatter).
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+from ..checkpoint import load_shards
+from ..config import DistConfig, MeshShape
+from ..distributed import DistEnv
+from ..precision import Precision
+from .blocks import prepare_blocks
+from .state import local_tensor, named_optimizer_state, optimizer_param_names
+
+COMM_KEYS = ("all_gathers", "all_gather_bytes", "reduce_scatters", "reduce_scatter_bytes",
+             "allreduces", "allreduce_bytes")
+
+
+class PeakMeter:
+    """The peak bytes of gathered parameters and unsharded gradients, sampled while ``active``.
+
+    Sampled where they change most: at each all-gather (plus the buffer being
+    gathered into), each reduce-scatter (plus its input, the unit's unsharded
+    gradient in the reduce dtype) and at the end of each micro-batch. torch has
+    no public view of what FSDP holds unsharded, so this reads FSDP2's own
+    per-parameter state (all-gather outputs, unsharded gradients); it costs a
+    walk over the parameters per sample, so it runs until the first applied
+    step only, as ``state_mb``'s measurement does.
+    """
+
+    def __init__(self, units: List[FSDPModule]):
+        self.params = [fp for unit in units for group in unit._get_fsdp_state()._fsdp_param_groups
+                       for fp in group.fsdp_params]
+        self.active, self.peak = False, 0
+
+    def held(self) -> int:
+        seen, total = set(), 0
+        for fp in self.params:
+            unsharded = getattr(fp, "_unsharded_param", None)
+            tensors = [*fp.all_gather_outputs, fp.unsharded_accumulated_grad,
+                       None if unsharded is None else unsharded.grad]
+            for t in tensors:
+                if t is None:
+                    continue
+                storage = local_tensor(t).untyped_storage()
+                if storage.nbytes() and storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
+        return total
+
+    def sample(self, extra: Optional[torch.Tensor] = None) -> None:
+        if self.active:
+            now = self.held() + (0 if extra is None else extra.numel() * extra.element_size())
+            self.peak = max(self.peak, now)
+
+
+class CommCounter:
+    """Calls and bytes of the collectives FSDP issues, counted where it issues them."""
+
+    def __init__(self) -> None:
+        self.counts = dict.fromkeys(COMM_KEYS, 0)
+        self.meter: Optional[PeakMeter] = None
+
+    def all_reduced(self, reduce_output: torch.Tensor) -> None:
+        """FSDP's all-reduce hook: under hsdp it runs right after each replica all-reduce, on its output."""
+        self.counts["allreduces"] += 1
+        self.counts["allreduce_bytes"] += reduce_output.numel() * reduce_output.element_size()
+
+
+class _CountingAllGather(DefaultAllGather):
+    """FSDP's own all-gather, counted: bytes are the gathered (unsharded, padded) size."""
+
+    def __init__(self, counter: CommCounter):
+        self.counter = counter
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.counter.counts["all_gathers"] += 1
+        self.counter.counts["all_gather_bytes"] += output_tensor.numel() * output_tensor.element_size()
+        self.counter.meter.sample(output_tensor)
+        return super().__call__(output_tensor, input_tensor, group, async_op)
+
+
+class _CountingReduceScatter(DefaultReduceScatter):
+    """FSDP's own reduce-scatter, counted: bytes are the reduced (unsharded, padded) size."""
+
+    def __init__(self, counter: CommCounter):
+        self.counter = counter
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.counter.counts["reduce_scatters"] += 1
+        self.counter.counts["reduce_scatter_bytes"] += input_tensor.numel() * input_tensor.element_size()
+        self.counter.meter.sample(input_tensor)
+        return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+
+class ShardedWeights:
+    """The optimizer steps the model's own FP32 shards; gradients are this rank's shards.
+
+    ``grads()`` gives the local shard of each gradient (a view of the DTensor's
+    storage), so the trainer's in-place normalisation and clipping act on what
+    the optimizer then reads.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+
+    def optimizer_params(self) -> List[torch.Tensor]:
+        return self.params
+
+    def accumulate(self) -> None:
+        pass  # FSDP keeps (last) or reduces and adds (every) the micro-batches' gradients itself
+
+    def grads(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        return [(p, local_tensor(p.grad)) for p in self.params if p.grad is not None]
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def after_step(self) -> None:
+        pass  # the next forward all-gathers (and casts) the updated shards
+
+    def fp32_state_dict(self, model: nn.Module) -> Dict[str, torch.Tensor]:
+        """The whole FP32 state dict on rank 0 (empty elsewhere), gathered one tensor at a time to CPU."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(model, options=options)
+        return {k: (v.float() if v.is_floating_point() else v).detach().clone() for k, v in state.items()}
+
+    def load_fp32_state_dict(self, model: nn.Module, state: Dict[str, torch.Tensor]) -> None:
+        """Each rank keeps its shard of a full state dict that every rank holds."""
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+
+
+def device_mesh(mesh: MeshShape, device_type: str) -> DeviceMesh:
+    """fsdp: a 1-D mesh of every rank; hsdp: (replicate, shard), shard groups of consecutive ranks."""
+    if mesh.replicate == 1:
+        return init_device_mesh(device_type, (mesh.shard,), mesh_dim_names=("shard",))
+    return init_device_mesh(device_type, (mesh.replicate, mesh.shard), mesh_dim_names=("replicate", "shard"))
+
+
+def set_prefetch(blocks: List[nn.Module], ahead: int) -> None:
+    """Each block gathers the next ``ahead`` blocks in forward and the previous ``ahead`` in backward.
+
+    0 sets nothing: FSDP2's defaults (no forward prefetch; in backward it
+    prefetches one unit on its own, and offers no public switch to stop that).
+    """
+    if ahead <= 0:
+        return
+    for i, block in enumerate(blocks):
+        block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + ahead])
+        block.set_modules_to_backward_prefetch(list(reversed(blocks[max(i - ahead, 0):i])))
+
+
+class FSDPStrategy:
+    """Parameters, gradients and optimizer state sharded over each shard group (FSDP2)."""
+
+    name = "fsdp"
+
+    def __init__(self, model: nn.Module, env: DistEnv, cfg: DistConfig, mesh: MeshShape, precision: Precision,
+                 compile: bool = False):
+        model = model.to(env.device)
+        blocks = prepare_blocks(model, cfg.blocks, cfg.activation_checkpointing, compile)  # before fully_shard
+        self.mesh = mesh
+        policy = (MixedPrecisionPolicy(param_dtype=precision.param_dtype, reduce_dtype=torch.float32)
+                  if precision.param_dtype is not None else MixedPrecisionPolicy())
+        self.reshard = cfg.fsdp.reshard
+        after_forward = self.reshard == "micro_batch"  # given explicitly, to the root too
+        dmesh = device_mesh(mesh, env.device.type)
+        for block in blocks:
+            fully_shard(block, mesh=dmesh, reshard_after_forward=after_forward, mp_policy=policy)
+        fully_shard(model, mesh=dmesh, reshard_after_forward=after_forward, mp_policy=policy)
+        self.units: List[FSDPModule] = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        set_prefetch(blocks, cfg.fsdp.prefetch)
+        self.counter = CommCounter()
+        for unit in self.units:
+            unit.set_custom_all_gather(_CountingAllGather(self.counter))
+            unit.set_custom_reduce_scatter(_CountingReduceScatter(self.counter))
+            if mesh.replicate > 1:  # only hsdp all-reduces; on a 1-D mesh the hook would follow the reduce-scatter
+                unit.set_all_reduce_hook(self.counter.all_reduced)
+        self.counter.meter = self.meter = PeakMeter(self.units)
+        if cfg.find_unused_parameters:
+            # A parameter some rank did not use still takes part (with zeros) in the reduce-scatter.
+            model.set_reduce_scatter_unused_params(True)
+        self.model = self.module = model
+        self.root: FSDPModule = model  # type: ignore[assignment]
+        self.accum_sync = cfg.fsdp.accum_sync
+        # Replicas hold equal shards: the first replica's ranks alone give the gradient norm.
+        self.is_first_replica = env.rank < mesh.shard
+        self.weights = ShardedWeights(model)
+
+    @contextmanager
+    def micro_batch(self, last: bool) -> Iterator[None]:
+        if self.accum_sync == "last":
+            self.root.set_requires_gradient_sync(last)  # every unit: keep unsharded grads until the last
+        elif self.mesh.replicate > 1:
+            self.root.set_requires_all_reduce(last)  # every: reduce-scatter now, all-reduce replicas once
+        if self.reshard == "step":
+            self.root.set_reshard_after_backward(last)  # keep every unit gathered until the last backward
+        yield
+        self.meter.sample()  # 'last' keeps every unit's unsharded gradient from here to the next micro-batch
+        if last:
+            self.reshard_all()  # the optimizer steps the shards: the next forward must gather them anew
+
+    @contextmanager
+    def evaluation(self) -> Iterator[None]:
+        try:
+            yield
+        finally:  # forward without backward: reshard=forward/step would leave units gathered
+            self.reshard_all()
+
+    def track_peak(self, on: bool) -> None:
+        """Sample what FSDP holds unsharded (on), or stop (off: no cost)."""
+        self.meter.active = on
+
+    def peak_bytes(self) -> int:
+        """The most bytes of gathered parameters and unsharded gradients held at once while tracked."""
+        return self.meter.peak
+
+    def reshard_all(self) -> None:
+        """Free every unit's gathered parameters (nothing to do for units already resharded)."""
+        for unit in self.units:
+            unit.reshard()
+
+    def grad_norm_sq(self, grads: List[torch.Tensor]) -> torch.Tensor:
+        """This rank's share of the squared global norm: its shards' squared norms, first replica only.
+
+        The shards of one shard group make the whole gradient; other replicas
+        hold the same shards and give zero times theirs (a non-finite value
+        anywhere still makes the sum non-finite: inf x 0 is NaN).
+        """
+        local = (torch.stack(torch._foreach_norm(grads)).double().square().sum() if grads
+                 else torch.zeros((), dtype=torch.float64))
+        return local * float(self.is_first_replica)
+
+    def comm(self) -> Dict[str, int]:
+        return dict(self.counter.counts)
+
+    def consistency_tensors(self) -> List[Tuple[str, torch.Tensor]]:
+        return list(self.module.named_buffers())  # parameters are sharded: only buffers are replicated
+
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        """Every rank calls it; rank 0 gets the whole FP32 state dict, the others an empty one."""
+        return self.weights.fp32_state_dict(self.module)
+
+    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+        """(what rank 0 writes into shared.pt, the sharded tensors every rank writes its part of).
+
+        The optimizer's state is keyed by parameter name, so that any layout
+        (another mesh, another world size, or ddp) can find its part; DCP writes
+        each replicated shard once.
+        """
+        model, optim = get_state_dict(self.module, optimizer)
+        return {"param_groups": optim["param_groups"]}, {"model": model, "optim": optim["state"]}
+
+    def load_checkpoint_state(self, optimizer: torch.optim.Optimizer, saved: Dict[str, Any],
+                              shards: Optional[Path]) -> None:
+        if shards is not None:  # a sharded checkpoint of any mesh: DCP reshards
+            model, optim = get_state_dict(self.module, optimizer)  # templates (creates the optimizer state)
+            state = {"model": model, "optim": optim["state"]}
+            load_shards(state, shards)
+            set_state_dict(self.module, optimizer, model_state_dict=state["model"],
+                           optim_state_dict={"state": state["optim"], "param_groups": saved["param_groups"]})
+            return
+        # A ddp checkpoint: whole FP32 tensors on every rank; each keeps its shard.
+        full = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.module, saved["model"], options=full)
+        names = optimizer_param_names(optimizer, self.weights, self.module)
+        set_optimizer_state_dict(self.module, optimizer, named_optimizer_state(saved["optimizer"], names),
+                                 options=full)
