@@ -19,9 +19,11 @@ framework's ``trainer.compile=true`` (block by block, batch dimension dynamic).
 
 Rows: ddp with bf16-mixed, bf16-master and fp16-master, eager and compiled;
 then (``--extra=none`` leaves them out) fsdp bf16-master eager and compiled
-(on one GPU: the cost of the wrapping, gathers and reduce-scatters of a world
-of one) and ddp bf16-master with activation checkpointing, eager and compiled
-(memory saved, time spent).
+with ``dist.fsdp.prefetch`` 1 (the default) and 0 (on one GPU: the cost of the
+wrapping of a world of one; a shard group of one rank gathers nothing, so the
+prefetch rows can only show that it costs nothing there, the overlap it buys
+needs several GPUs) and ddp bf16-master with activation checkpointing, eager
+and compiled (memory saved, time spent).
 
 Per configuration: ``--warmup`` steps (compilation happens there), then
 ``--steps`` timed steps; tokens/s = tokens / (wall time of the timed steps,
@@ -46,8 +48,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 MODES = ("bf16-mixed", "bf16-master", "fp16-master")
-# (precision, dist.strategy, dist.activation_checkpointing) after the grid, each eager and compiled.
-EXTRA = (("bf16-master", "fsdp", False), ("bf16-master", "ddp", True))
+# (precision, dist.strategy, dist.activation_checkpointing, dist.fsdp.prefetch) after the grid, each eager
+# and compiled.
+EXTRA = (("bf16-master", "fsdp", False, 1), ("bf16-master", "fsdp", False, 0), ("bf16-master", "ddp", True, 1))
 FULL = {"model": dict(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768, dropout=0.0),
         "micro": 16, "warmup": 3, "steps": 15}
 SMOKE = {"model": dict(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64, dropout=0.0),
@@ -65,11 +68,11 @@ def write_token_file(path: Path, spec: dict, samples: int) -> Path:
 
 
 def run_config(env, spec: dict, tokens: Path, precision: str, compile_model: bool, warmup: int, steps: int,
-               strategy: str = "ddp", checkpointing: bool = False) -> dict:
+               strategy: str = "ddp", checkpointing: bool = False, prefetch: int = 1) -> dict:
     import torch
 
-    from dist_trainer.config import (BatchConfig, Config, DistConfig, OptimConfig, PrecisionConfig, TrainerConfig,
-                                     validate)
+    from dist_trainer.config import (BatchConfig, Config, DistConfig, FSDPConfig, OptimConfig, PrecisionConfig,
+                                     TrainerConfig, validate)
     from dist_trainer.data import epoch_batches
     from dist_trainer.metrics import peak_flops, peak_mem_mb
     from dist_trainer.run import build, to_device
@@ -81,7 +84,8 @@ def run_config(env, spec: dict, tokens: Path, precision: str, compile_model: boo
                  batch=BatchConfig(micro_batch_size=spec["micro"], accum_steps=1),
                  precision=PrecisionConfig(name=precision), optim=OptimConfig(lr=6e-4, grad_clip=1.0),
                  trainer=TrainerConfig(max_steps=warmup + steps, device=env.device.type, compile=compile_model),
-                 dist=DistConfig(strategy=strategy, activation_checkpointing=checkpointing))
+                 dist=DistConfig(strategy=strategy, activation_checkpointing=checkpointing,
+                                 fsdp=FSDPConfig(prefetch=prefetch)))
     plan = validate(cfg, env.world_size)
     if cuda:
         torch.cuda.reset_peak_memory_stats(env.device)
@@ -119,6 +123,7 @@ def run_config(env, spec: dict, tokens: Path, precision: str, compile_model: boo
     peak = peak_flops(env.device, trainer.precision.autocast_dtype is not None)
     mfu = model.flops_per_item() * tokens_per_s / peak if peak else None
     result = {"precision": precision, "compile": compile_model, "strategy": strategy, "ac": checkpointing,
+              "prefetch": prefetch if strategy == "fsdp" else None,
               "tokens_per_s": tokens_per_s, "mfu": mfu,
               "peak_mem_mb": peak_mem_mb(env.device), "step_ms": 1000 * elapsed / steps, "warmup_s": warm_s,
               "loss": outcome.loss, "skipped": outcome.skipped, "state_mb": outcome.state_mb,
@@ -165,30 +170,32 @@ def main() -> None:
           f"n_embd={m['n_embd']} block={m['block_size']} vocab={m['vocab_size']}; micro {spec['micro']} x "
           f"accum 1; {warmup} warm-up + {steps} timed steps per configuration", flush=True)
     compiles = {"both": (False, True), "off": (False,), "on": (True,)}[args.compile]
-    configs = [(mode, c, "ddp", False) for mode in args.modes.split(",") for c in compiles]
-    configs += [(mode, c, strategy, ac) for mode, strategy, ac in EXTRA for c in compiles] if args.extra == "all" else []
+    configs = [(mode, c, "ddp", False, 1) for mode in args.modes.split(",") for c in compiles]
+    configs += ([(mode, c, strategy, ac, prefetch) for mode, strategy, ac, prefetch in EXTRA for c in compiles]
+                if args.extra == "all" else [])
     scratch = tempfile.TemporaryDirectory(prefix="gpu-bench-")
     tokens = write_token_file(Path(scratch.name) / "train.bin", spec, (warmup + steps) * spec["micro"])
     results = []
-    for mode, comp, strategy, ac in configs:
-        name = f"{mode:12s} compile={'on ' if comp else 'off'} {strategy:4s} ac={'on ' if ac else 'off'}"
+    for mode, comp, strategy, ac, prefetch in configs:
+        name = (f"{mode:12s} compile={'on ' if comp else 'off'} {strategy:4s} ac={'on ' if ac else 'off'}"
+                + (f" prefetch={prefetch}" if strategy == "fsdp" else "           "))
         if time.perf_counter() - t0 > args.budget_s:
             results.append({"precision": mode, "compile": comp, "strategy": strategy, "ac": ac,
-                            "skipped_for_time": True})
+                            "prefetch": prefetch if strategy == "fsdp" else None, "skipped_for_time": True})
             print(f"{name} skipped: past --budget-s", flush=True)
             continue
-        r = run_config(env, spec, tokens, mode, comp, warmup, steps, strategy, ac)
+        r = run_config(env, spec, tokens, mode, comp, warmup, steps, strategy, ac, prefetch)
         results.append(r)
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         print(f"{name} {r['tokens_per_s']:12,.0f} tokens/s | MFU {mfu:>6s} | "
               f"peak {r['peak_mem_mb']:9,.0f} MiB | {r['step_ms']:8.1f} ms/step | warm-up {r['warmup_s']:5.1f} s | "
               f"loss {r['loss']:.4f}{' SKIPPED STEP' if r['skipped'] else ''}", flush=True)
-    print("\n| precision | torch.compile | strategy | activation ckpt | tokens/s | MFU | peak memory (MiB) | "
-          "state_mb | step (ms) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| precision | torch.compile | strategy | activation ckpt | prefetch | tokens/s | MFU | "
+          "peak memory (MiB) | state_mb | step (ms) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         head = (f"| {r['precision']} | {'on' if r['compile'] else 'off'} | {r['strategy']} | "
-                f"{'on' if r['ac'] else 'off'} |")
+                f"{'on' if r['ac'] else 'off'} | {'' if r['prefetch'] is None else r['prefetch']} |")
         if r.get("skipped_for_time"):
             print(f"{head} skipped (time budget) | | | | |")
             continue

@@ -6,8 +6,9 @@ by block:
 * fp32, 2 ranks x micro 4 x accum 4, ddp: compiled and eager losses agree
   within 1e-4 relative, gradients within the compiler's rounding; the
   compiled split equals the compiled one-process batch of 32 (split
-  invariance holds compiled); fsdp with activation checkpointing and
-  bf16-master compiled agree with their eager runs;
+  invariance holds compiled); fsdp with activation checkpointing,
+  bf16-master, and hsdp (2 replicas, reshard=step) compiled agree with their
+  eager runs;
 * the real loop over two epoch boundaries (a short last step of 3 samples a
   rank), with evaluation every 2 steps: no recompilation after step 1, and the
   count is in metrics.jsonl; a micro-batch of one sample compiles once more
@@ -49,8 +50,8 @@ def tiny_text(n: int = 256, split: str = "train") -> Subset:
 
 
 def config(micro: int, compile: bool, strategy: str = "ddp", precision: str = "fp32", ac: bool = False,
-           n: int = 256, steps: int = STEPS) -> Config:
-    return Config(
+           n: int = 256, steps: int = STEPS, shard_size=None, reshard: str = "micro_batch") -> Config:
+    cfg = Config(
         model=dict(GPT), data={"_target_": f"{__name__}.tiny_text", "n": n, "split": "train", "shuffle": True},
         batch=BatchConfig(micro_batch_size=micro, global_batch_size=GLOBAL),
         precision=PrecisionConfig(name=precision),
@@ -61,6 +62,8 @@ def config(micro: int, compile: bool, strategy: str = "ddp", precision: str = "f
         trainer=TrainerConfig(max_steps=steps, log_every=1, eval_every=0, compile=compile),
         dist=DistConfig(strategy=strategy, activation_checkpointing=ac),
     )
+    cfg.dist.fsdp.shard_size, cfg.dist.fsdp.reshard = shard_size, reshard
+    return cfg
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -88,6 +91,9 @@ JOBS = {
     "compiled-fsdp-ac": dict(compile=True, strategy="fsdp", ac=True),
     "eager-bf16-master": dict(compile=False, precision="bf16-master"),
     "compiled-bf16-master": dict(compile=True, precision="bf16-master"),
+    # hsdp on 2 ranks: 2 replicas of shard groups of one, kept gathered through the step
+    "eager-hsdp-step": dict(compile=False, strategy="fsdp", shard_size=1, reshard="step"),
+    "compiled-hsdp-step": dict(compile=True, strategy="fsdp", shard_size=1, reshard="step"),
 }
 
 
@@ -114,7 +120,7 @@ def _close(got: dict, ref: dict, rtol: float, atol: float, what: str) -> None:
 
 def test_compiled_steps_equal_eager_steps(ranks):
     results = ranks[0][0]
-    for name in ("compiled", "compiled-fsdp-ac", "compiled-bf16-master"):
+    for name in ("compiled", "compiled-fsdp-ac", "compiled-bf16-master", "compiled-hsdp-step"):
         eager, compiled = results[name.replace("compiled", "eager")], results[name]
         for a, b in zip(compiled["loss"], eager["loss"]):
             assert abs(a - b) <= 1e-4 * abs(b), (name, compiled["loss"], eager["loss"])
@@ -123,6 +129,8 @@ def test_compiled_steps_equal_eager_steps(ranks):
         _close(results["compiled"]["grads"][step], results["eager"]["grads"][step], 1e-4, 1e-6, f"step {step + 1}")
     _close(results["compiled"]["params"], results["eager"]["params"], 1e-5, 1e-6, "params")
     _close(results["compiled-fsdp-ac"]["params"], results["eager-fsdp-ac"]["params"], 1e-5, 1e-6, "fsdp params")
+    _close(results["compiled-hsdp-step"]["params"], results["eager-hsdp-step"]["params"], 1e-5, 1e-6, "hsdp params")
+    _close(results["eager-hsdp-step"]["params"], results["eager"]["params"], 1e-5, 1e-6, "hsdp vs ddp params")
 
 
 def test_split_invariance_holds_compiled(ranks):
