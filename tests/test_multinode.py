@@ -32,6 +32,10 @@ from dist_trainer.models import GPT
 from helpers import free_port
 from test_checkpoint import TINY, Job, final_params, metrics
 
+# Two agents, four workers and a reference process on 2 cores: about 15-30 s. Marked slow to keep the
+# default suite under 12 minutes (tests/test_hsdp.py covers hsdp on 4 spawned ranks there); .ci/run runs it.
+pytestmark = pytest.mark.slow
+
 STEPS = 4
 # global 32 = 4 ranks x micro 4 x accum 2 (one process: micro 4 x accum 8); fp32 and SGD so
 # that the two reduction orders agree to float rounding.
