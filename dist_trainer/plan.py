@@ -201,10 +201,15 @@ def meta_model(cfg: Config, precision: Precision) -> nn.Module:
     return model
 
 
-def plan_numbers(cfg: Config, plan: BatchPlan) -> Dict[str, Any]:
-    """What plan.json holds: the mesh, the split, and each metrics.jsonl key a full step will show."""
+def plan_numbers(cfg: Config, plan: BatchPlan, model: Optional[nn.Module] = None) -> Dict[str, Any]:
+    """What plan.json holds: the mesh, the split, and each metrics.jsonl key a full step will show.
+
+    ``model``: the strategy's module of a run (only shapes, dtypes and blocks are read; a
+    sharded parameter's shape is its whole shape); None builds one on the meta device.
+    """
     precision = Precision(cfg.precision, torch.device("cpu"))
-    model = meta_model(cfg, precision)
+    if model is None:
+        model = meta_model(cfg, precision)
     params = [p for p in model.parameters() if p.requires_grad]
     auto = cfg.batch.micro_batch_size == "auto"  # the split, and so K, is known only once the finder has run
     step = None if auto else expected_comm(cfg, plan, model, precision)

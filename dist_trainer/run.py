@@ -165,7 +165,8 @@ def _train(cfg: Config, plan: BatchPlan, env: DistEnv, run_dir: Path) -> Dict[st
         run_dir.mkdir(parents=True, exist_ok=True)
         log.info(startup_report(plan, env, cfg, model, parts.step_plan, run_dir))
         # What every full step's collectives and state will be, for a tool to compare with metrics.jsonl.
-        write_plan_json(plan_numbers(cfg, plan), run_dir / "plan.json")
+        # From the built model: the meta device's first initialisation costs seconds (torch's refs).
+        write_plan_json(plan_numbers(cfg, plan, model), run_dir / "plan.json")
     position = resume(parts, plan, env, run_dir, cfg.trainer.seed, cfg.trainer.keep_checkpoints)
     outputs = Outputs(run_dir, env.is_main, cfg.logger, plan.max_steps, position.step, cfg.trainer.log_every)
     stop = StopRequest()

@@ -162,6 +162,7 @@ def _run_job(env, name: str, cfg, steps: int) -> dict:
         rec["grads"].append(_named(trainer.module, grads=True))
         rec["params"].append(_named(trainer.module, grads=False))
     rec["scale"] = trainer.precision.scaler.scale
+    rec["plan_from_model"] = plan_numbers(cfg, validate(cfg, env.world_size), trainer.module)
     return rec
 
 
@@ -433,3 +434,11 @@ def test_reshard_step_raises_the_step_peak(world4):
     step, micro = (_job(world4, f"peak/{r}")["outcomes"][-1] for r in ("step", "micro_batch"))
     assert step["state_mb"] == micro["state_mb"]
     assert step["step_peak_state_mb"] > micro["step_peak_state_mb"] * 1.1, (step, micro)
+
+
+
+@pytest.mark.parametrize("name", [f"split/{reshard}/{sync}" for reshard in RESHARDS for sync in SYNCS])
+def test_a_runs_plan_json_from_its_wrapped_model_equals_plan_mode(world4, name):
+    """A run computes plan.json from its built, wrapped model (FSDP renames the blocks' classes): plan mode's numbers."""
+    cfg = next(cfg for job, cfg, _ in _jobs() if job == name)
+    assert _job(world4, name)["plan_from_model"] == plan_numbers(cfg, validate(cfg, WORLD))

@@ -12,8 +12,21 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from ..config import ConfigError
+
+
+def class_name(module: nn.Module) -> str:
+    """The module's own class name, also once ``fully_shard`` has wrapped it.
+
+    FSDP2 swaps a unit's class for ``FSDP<Name>(FSDPModule, <Name>)``; the
+    blocks of a sharded model are still found by the names the model declares.
+    """
+    cls = type(module)
+    if isinstance(module, FSDPModule) and len(cls.__bases__) == 2 and cls.__bases__[0] is FSDPModule:
+        cls = cls.__bases__[1]
+    return cls.__name__
 
 
 def find_blocks(model: nn.Module, configured: Optional[Sequence[str]]) -> List[nn.Module]:
@@ -30,11 +43,11 @@ def find_blocks(model: nn.Module, configured: Optional[Sequence[str]]) -> List[n
     for module in model.modules():
         if id(module) in inside:
             continue
-        if type(module).__name__ in wanted:
+        if class_name(module) in wanted:
             found.append(module)
             inside.update(id(m) for m in module.modules())
     if configured is not None and names and not found:
-        classes = sorted({type(m).__name__ for m in model.modules()})
+        classes = sorted({class_name(m) for m in model.modules()})
         raise ConfigError(f"dist.blocks={names}: no module of the model has that class; "
                           f"its classes are {classes}")
     return found
