@@ -10,6 +10,9 @@ One launch of 4 gloo ranks runs every job; the references run in this process.
   kept its gathered copy (the stale case) is caught by the same comparison;
 * ``prefetch`` changes no number;
 * fp16-master under hsdp: an overflow on one rank skips the step on every rank;
+  bf16-master and bf16-mixed within the tolerance fsdp is held to; clipping by the
+  global norm, the end of the data (a short step, placeholders) and activation
+  checkpointing equal their references;
 * the plan grid: every collective's calls and bytes of every step equal
   plan.json's prediction exactly (ddp, fsdp, hsdp; K = 1, 3, 8; every reshard;
   both accum_sync; a Hugging Face model), and a transformers GPT-2 under hsdp
@@ -110,6 +113,9 @@ def _jobs() -> list:
     master = _mesh(_gpt(2), "hsdp", "step", "last")
     master.precision.name = "bf16-master"
     jobs.append(("master", master, 1))
+    mixed = _mesh(_gpt(2), "hsdp", "forward", "every")
+    mixed.precision.name = "bf16-mixed"  # autocast over FP32 shards
+    jobs.append(("mixed", mixed, 1))
     from test_fsdp import InfMLP  # noqa: F401  (importable by name in the ranks)
     from test_fsdp import overflow_config
 
@@ -273,9 +279,10 @@ def test_hsdp_activation_checkpointing_gives_the_same_gradients(world4):
             torch.testing.assert_close(on["grads"][step][name], value, rtol=1e-6, atol=1e-8, msg=name)
 
 
-def test_hsdp_bf16_master_within_the_tolerance_of_ddp(world4, ref):
-    """The gradient the optimizer gets (FP32 shards = masters) against fp32's one big batch (test_fsdp's bound)."""
-    run = _job(world4, "master")
+@pytest.mark.parametrize("name", ["master", "mixed"])
+def test_hsdp_bf16_modes_within_the_tolerance_of_ddp(world4, ref, name):
+    """The gradient the optimizer gets against fp32's one big batch (test_fsdp's bound for bf16-master)."""
+    run = _job(world4, name)
     assert not run["outcomes"][0]["skipped"]
     flat = lambda g: torch.cat([t.flatten() for t in g.values()])  # noqa: E731
     got, want = flat(run["grads"][0]), flat(ref["grads"][0])
