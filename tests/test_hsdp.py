@@ -184,26 +184,37 @@ def _worker(rank: int, world_size: int, jobs: list) -> dict:
     return results
 
 
-@pytest.fixture(scope="module")
-def world4(tmp_path_factory):
+def _four_ranks(tmp_path_factory, name: str, jobs: list) -> list:
+    """Every job on 4 spawned gloo ranks, in one launch, without a launcher's variables in the environment."""
     with pytest.MonkeyPatch.context() as mpatch:
         mpatch.setenv("OMP_NUM_THREADS", "1")
         mpatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                     "TORCHELASTIC_RUN_ID"):
-            mpatch.delenv(name, raising=False)
-        return _launch(_worker, WORLD, tmp_path_factory.mktemp("hsdp4"), _jobs())
+        for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                    "TORCHELASTIC_RUN_ID"):
+            mpatch.delenv(var, raising=False)
+        return _launch(_worker, WORLD, tmp_path_factory.mktemp(name), jobs)
+
+
+def _one_process(jobs: list) -> dict:
+    """Every job in this process, on a group of one: the references."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        return _worker(0, 1, jobs)
+    finally:
+        dist.destroy_process_group()
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    return _four_ranks(tmp_path_factory, "hsdp4", _jobs())
 
 
 @pytest.fixture(scope="module")
 def grid4(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mpatch:
-        mpatch.setenv("OMP_NUM_THREADS", "1")
-        mpatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                     "TORCHELASTIC_RUN_ID"):
-            mpatch.delenv(name, raising=False)
-        return _launch(_worker, WORLD, tmp_path_factory.mktemp("grid4"), _grid_jobs())
+    return _four_ranks(tmp_path_factory, "grid4", _grid_jobs())
 
 
 def _ref_jobs() -> list:
@@ -215,14 +226,7 @@ def _ref_jobs() -> list:
 @pytest.fixture(scope="module")
 def refs():
     """One process, one big batch of 32 (K = 1)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        return _worker(0, 1, _ref_jobs())
-    finally:
-        dist.destroy_process_group()
-        torch.set_num_threads(threads)
+    return _one_process(_ref_jobs())
 
 
 @pytest.fixture(scope="module")
@@ -291,16 +295,8 @@ def test_hsdp_bf16_modes_within_the_tolerance_of_ddp(world4, ref, name):
 
 @pytest.mark.slow
 def test_hsdp_hugging_face_model_equals_one_process(grid4):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        want = _worker(0, 1, [("hf", _hf(GLOBAL, GLOBAL), STEPS)])
-    finally:
-        dist.destroy_process_group()
-        torch.set_num_threads(threads)
-    assert "error" not in want["hf"], want["hf"].get("error")
-    _assert_same_run(_job(grid4, "hf"), want["hf"], "hsdp gpt2 (transformers)")
+    want = _job([_one_process([("hf", _hf(GLOBAL, GLOBAL), STEPS)])], "hf")
+    _assert_same_run(_job(grid4, "hf"), want, "hsdp gpt2 (transformers)")
 
 
 def test_reshard_step_gathers_each_unit_once_per_step_whatever_k(world4):
