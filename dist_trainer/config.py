@@ -216,7 +216,7 @@ class BatchPlan:
     base_lr: float
     lr: float  # after scaling for the effective batch
     max_steps: int
-    mesh: Optional[MeshShape] = None  # None: derive it from the config (built by hand, not by validate)
+    mesh: Optional[MeshShape] = None  # always set by validate; None only in plans built by hand for the data order
 
     def describe(self) -> str:
         return (

@@ -114,9 +114,8 @@ def init(device_preference: str = "auto", timeout_s: int = 1800) -> DistEnv:
         else:
             # python -m dist_trainer: a group of one, so the code path is the same.
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    world = dist.get_world_size()
-    return DistEnv(dist.get_rank(), local_rank, world, device, dist.get_backend(), owns_group,
-                   _int_env("LOCAL_WORLD_SIZE", world))
+    return DistEnv(dist.get_rank(), local_rank, dist.get_world_size(), device, dist.get_backend(), owns_group,
+                   local_world_size())
 
 
 def _torchrun_store(rank: int, world: int, timeout: timedelta) -> dist.Store:

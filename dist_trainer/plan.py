@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from hydra.utils import instantiate
@@ -22,13 +22,13 @@ from torch import nn
 from .config import BatchPlan, Config, ConfigError, MeshShape, validate
 from .data import StepPlan, build_dataset
 from .parallel.blocks import find_blocks
+from .parallel.comm import COMM_KEYS as GRADIENT_COMM_KEYS
 from .precision import Precision
 
 MIB = 2**20
 FIRST_BUCKET_BYTES = 1 * MIB  # DDP's smaller first bucket when bucket_cap_mb is left to it
 DEFAULT_BUCKET_MB = 25.0
-COMM_KEYS = ("all_gathers", "all_gather_bytes", "reduce_scatters", "reduce_scatter_bytes",
-             "allreduces", "allreduce_bytes", "step_allreduces", "step_allreduce_bytes")
+COMM_KEYS = GRADIENT_COMM_KEYS + ("step_allreduces", "step_allreduce_bytes")  # and the step's own all-reduce
 # Which mesh dimension each kind of collective runs over (hsdp: shard groups, replicas).
 COMM_DIMS = {"ddp": {"allreduces": "all ranks"},
              "fsdp": {"all_gathers": "shard", "reduce_scatters": "shard"},
@@ -74,6 +74,22 @@ def fsdp_units(model: nn.Module, blocks: List[nn.Module]) -> List[List[nn.Parame
     return units
 
 
+def unit_shard_bytes(cfg: Config, model: nn.Module, precision: Precision, shard: int) -> List[Tuple[int, int]]:
+    """(gathered, gradient) bytes of one rank's padded shard of each FSDP unit: each block's, then the root's.
+
+    Gathered in the compute dtype (half in master modes), gradients reduced in
+    FP32 (trainable parameters only); a root with every parameter in blocks is (0, 0).
+    """
+    return [(sum(shard_elements(p, shard) * (precision.param_dtype or p.dtype).itemsize for p in unit),
+             sum(shard_elements(p, shard) for p in unit if p.requires_grad) * 4)
+            for unit in fsdp_units(model, find_blocks(model, cfg.dist.blocks))]
+
+
+def step_stats_bytes(world_size: int) -> int:
+    """The step's own all-reduce: float64 loss, items, samples, stop flag, norm share and one flag per rank."""
+    return (5 + world_size) * 8
+
+
 def expected_comm(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision) -> Dict[str, int]:
     """Calls and bytes of every collective of one full optimizer step after the first, by metrics key.
 
@@ -87,9 +103,9 @@ def expected_comm(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Pre
     """
     mesh: MeshShape = plan.mesh
     counts = dict.fromkeys(COMM_KEYS, 0)
-    params = [p for p in model.parameters() if p.requires_grad]
     accum = plan.accum_steps
     if mesh.kind == "ddp":
+        params = [p for p in model.parameters() if p.requires_grad]
         sent = precision.weights_type.sent_element_size  # master modes send FP32 copies of half buckets
         buckets = expected_buckets(params, cfg.dist.bucket_cap_mb)
         counts["allreduces"] = len(buckets)
@@ -98,22 +114,20 @@ def expected_comm(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Pre
         gathers = {"micro_batch": 2 * accum, "forward": accum, "step": 1}[cfg.dist.fsdp.reshard]
         scatters = 1 if cfg.dist.fsdp.accum_sync == "last" else accum
         S = mesh.shard
-        for unit in fsdp_units(model, find_blocks(model, cfg.dist.blocks)):
-            if not unit:
+        for gathered, grad in unit_shard_bytes(cfg, model, precision, S):
+            if not gathered:
                 continue  # a root with every parameter in blocks: FSDP has nothing to gather for it
-            gathered = sum(shard_elements(p, S) * (precision.param_dtype or p.dtype).itemsize for p in unit)
-            trainable = sum(shard_elements(p, S) for p in unit if p.requires_grad) * 4  # reduced in FP32
             if S > 1:
                 counts["all_gathers"] += gathers
                 counts["all_gather_bytes"] += gathers * S * gathered
-                if trainable:
+                if grad:
                     counts["reduce_scatters"] += scatters
-                    counts["reduce_scatter_bytes"] += scatters * S * trainable
-            if mesh.replicate > 1 and trainable:
+                    counts["reduce_scatter_bytes"] += scatters * S * grad
+            if mesh.replicate > 1 and grad:
                 counts["allreduces"] += 1
-                counts["allreduce_bytes"] += trainable
+                counts["allreduce_bytes"] += grad
     counts["step_allreduces"] = 1
-    counts["step_allreduce_bytes"] = (5 + mesh.world_size) * 8  # float64 totals, norm, stop and per-rank flags
+    counts["step_allreduce_bytes"] = step_stats_bytes(mesh.world_size)
     return counts
 
 
@@ -135,9 +149,9 @@ def expected_peak_extra_bytes(cfg: Config, plan: BatchPlan, model: nn.Module, pr
     if mesh.kind == "ddp":
         return 0
     S = mesh.shard
-    units = [u for u in fsdp_units(model, find_blocks(model, cfg.dist.blocks)) if u]
-    gathered = [sum(shard_elements(p, S) * (precision.param_dtype or p.dtype).itemsize for p in u) * S for u in units]
-    grads = [sum(shard_elements(p, S) for p in u if p.requires_grad) * 4 * S for u in units]
+    units = unit_shard_bytes(cfg, model, precision, S)
+    gathered = [S * g for g, _ in units]
+    grads = [S * r for _, r in units]
     blocks, root = gathered[:-1], gathered[-1]
     reshard, accum = cfg.dist.fsdp.reshard, plan.accum_steps
     if reshard == "micro_batch":
@@ -181,10 +195,7 @@ def expected_state_bytes(cfg: Config, params: List[torch.Tensor], shard: int) ->
     """
     tensors = len(params)
     if cfg.dist.strategy == "fsdp":
-        local = 0
-        for p in params:
-            rows = p.shape[0] if p.ndim else 1
-            local += min(math.ceil(rows / shard), rows) * (p.numel() // max(rows, 1))
+        local = sum(shard_elements(p, shard) for p in params)
         return 4 * (2 * local + _optimizer_state_elements(cfg, local, tensors))
     elements = sum(p.numel() for p in params)
     own = 2 * sum(p.numel() * p.element_size() for p in params)  # parameters and their gradients
@@ -275,7 +286,6 @@ def plan_report(cfg: Config, world_size: int, local_world_size: Optional[int] = 
              f"{plan.global_batch_size // world_size} / micro x world {world_size}"
              if auto else f"  micro batch {plan.micro_batch_size} x accum steps {plan.accum_steps} x world {world_size}")
     state = int(numbers["state_mb"] * MIB)
-    own = numbers["step"] or {"step_allreduce_bytes": (5 + world_size) * 8}
     return "\n".join([
         f"plan for world size {world_size} (no process group, nothing trained); mesh {plan.mesh.describe()}",
         f"{split} = global batch {plan.global_batch_size} samples per optimizer step"
@@ -285,7 +295,7 @@ def plan_report(cfg: Config, world_size: int, local_world_size: Optional[int] = 
         + (f", optim.base_batch_size={cfg.optim.base_batch_size})" if cfg.optim.lr_scaling != "none" else ")"),
         f"  model {numbers['parameters']:,} trainable parameters, precision {cfg.precision.name}",
         *comm_lines(numbers, plan.accum_steps),
-        f"  plus 1 all-reduce of {own['step_allreduce_bytes']} bytes (loss, item count, squared gradient norm, "
+        f"  plus 1 all-reduce of {step_stats_bytes(world_size)} bytes (loss, item count, squared gradient norm, "
         "skip and stop flags; step_allreduces; step 1 adds 2, of 8 and 16 bytes; the first after a resume 1, of 16)",
         f"  model state per rank after an optimizer step: {state / MIB:.2f} MiB ({state} bytes; state_mb, "
         f"dist.strategy={cfg.dist.strategy}, parameters, gradients, optimizer state"

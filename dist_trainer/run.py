@@ -19,7 +19,7 @@ from torch import nn
 
 from . import checkpoint, distributed, hostmem
 from .compiling import CompileWatch, eager_eval
-from .config import BatchPlan, Config, ConfigError, derive_mesh, validate
+from .config import BatchPlan, Config, ConfigError, validate
 from .data import StepPlan, TrainLoader, build_dataset, eval_loader
 from .distributed import DistEnv
 from .finder import find_micro_batch_size, largest_divisor_at_most, model_trial
@@ -117,8 +117,7 @@ def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
     step_plan = StepPlan.for_config(len(train_set), cfg, plan, env.rank)  # checks the data before the model
     eval_set = build_dataset(cfg.data, split="val") if "split" in cfg.data else None
     precision = Precision(cfg.precision, env.device)
-    mesh = plan.mesh or derive_mesh(cfg.dist, env.world_size, env.local_world_size)
-    strategy = build_strategy(instantiate(cfg.model, _convert_="all"), env, cfg.dist, mesh, precision,
+    strategy = build_strategy(instantiate(cfg.model, _convert_="all"), env, cfg.dist, plan.mesh, precision,
                               cfg.trainer.compile)
     optimizer = build_optimizer(strategy.weights.optimizer_params(), cfg.optim, plan.lr)
     trainer = Trainer(strategy, optimizer, precision, env, plan, cfg.optim, cfg.trainer, cfg.batch.partial_step)

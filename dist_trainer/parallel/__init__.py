@@ -7,6 +7,7 @@ The tree, top to bottom (nothing imports what is above it)::
     sync_batchnorm.py      BatchNorm statistics over all ranks (ddp)
     blocks.py, state.py    the model's blocks (sharding, activation checkpointing, compile);
                            optimizer state by parameter name, local shards
+    comm.py                the metrics keys of the collectives every strategy counts
     consistency.py         dist.check_consistency_every
 
 A strategy is chosen once, at build time, on the mesh ``validate`` derived

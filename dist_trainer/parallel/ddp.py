@@ -21,6 +21,7 @@ from ..config import DistConfig, MeshShape
 from ..distributed import DistEnv
 from ..precision import MasterWeights, ModelWeights, Precision
 from .blocks import prepare_blocks
+from .comm import COMM_KEYS
 from .state import indexed_optimizer_state, optimizer_param_names, state_of
 
 ReduceBucket = Callable[[dist.GradBucket, Optional[dist.ProcessGroup]], torch.futures.Future]
@@ -123,8 +124,7 @@ class DDPStrategy:
         return norm.double().square() * float(self.is_first_replica)
 
     def comm(self) -> Dict[str, int]:
-        return {"all_gathers": 0, "all_gather_bytes": 0, "reduce_scatters": 0, "reduce_scatter_bytes": 0,
-                "allreduces": self.counter.calls, "allreduce_bytes": self.counter.bytes}
+        return {**dict.fromkeys(COMM_KEYS, 0), "allreduces": self.counter.calls, "allreduce_bytes": self.counter.bytes}
 
     def consistency_tensors(self) -> List[Tuple[str, torch.Tensor]]:
         """What must be bit-identical on every rank: parameters, buffers, FP32 masters."""

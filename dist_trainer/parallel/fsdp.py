@@ -56,10 +56,9 @@ from ..config import DistConfig, MeshShape
 from ..distributed import DistEnv
 from ..precision import Precision
 from .blocks import prepare_blocks
+from .comm import COMM_KEYS
 from .state import local_tensor, named_optimizer_state, optimizer_param_names
 
-COMM_KEYS = ("all_gathers", "all_gather_bytes", "reduce_scatters", "reduce_scatter_bytes",
-             "allreduces", "allreduce_bytes")
 
 
 class PeakMeter:
@@ -103,9 +102,9 @@ class PeakMeter:
 class CommCounter:
     """Calls and bytes of the collectives FSDP issues, counted where it issues them."""
 
-    def __init__(self) -> None:
+    def __init__(self, meter: PeakMeter) -> None:
         self.counts = dict.fromkeys(COMM_KEYS, 0)
-        self.meter: Optional[PeakMeter] = None
+        self.meter = meter  # samples what is held unsharded at each collective
 
     def all_reduced(self, reduce_output: torch.Tensor) -> None:
         """FSDP's all-reduce hook: under hsdp it runs right after each replica all-reduce, on its output."""
@@ -217,13 +216,13 @@ class FSDPStrategy:
         fully_shard(model, mesh=dmesh, reshard_after_forward=after_forward, mp_policy=policy)
         self.units: List[FSDPModule] = [m for m in model.modules() if isinstance(m, FSDPModule)]
         set_prefetch(blocks, cfg.fsdp.prefetch)
-        self.counter = CommCounter()
+        self.meter = PeakMeter(self.units)
+        self.counter = CommCounter(self.meter)
         for unit in self.units:
             unit.set_custom_all_gather(_CountingAllGather(self.counter))
             unit.set_custom_reduce_scatter(_CountingReduceScatter(self.counter))
             if mesh.replicate > 1:  # only hsdp all-reduces; on a 1-D mesh the hook would follow the reduce-scatter
                 unit.set_all_reduce_hook(self.counter.all_reduced)
-        self.counter.meter = self.meter = PeakMeter(self.units)
         if cfg.find_unused_parameters:
             # A parameter some rank did not use still takes part (with zeros) in the reduce-scatter.
             model.set_reduce_scatter_unused_params(True)
