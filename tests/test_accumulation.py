@@ -232,13 +232,39 @@ def _launch(fn, world_size: int, tmp_path: Path, *args) -> list:
     return [torch.load(store_dir / f"result{r}.pt", weights_only=False) for r in range(world_size)]
 
 
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "TORCHELASTIC_RUN_ID")
+
+
+def launch_clean(fn, world_size: int, tmp_path: Path, *args) -> list:
+    """``_launch`` with one thread a rank, gloo on loopback, and no launcher's variables in the environment."""
+    with pytest.MonkeyPatch.context() as mpatch:
+        mpatch.setenv("OMP_NUM_THREADS", "1")
+        mpatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+        for name in LAUNCHER_VARS:
+            mpatch.delenv(name, raising=False)
+        return _launch(fn, world_size, tmp_path, *args)
+
+
+def in_one_process(fn, *args):
+    """fn(0, 1, *args) in this process, on a gloo group of one, with one thread like the ranks."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        return fn(0, 1, *args)
+    finally:
+        dist.destroy_process_group()
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def _env():
     # The conftest's env fixture is function-scoped, i.e. set up after these module fixtures.
     with pytest.MonkeyPatch.context() as mpatch:
         mpatch.setenv("OMP_NUM_THREADS", "1")
         mpatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        for name in LAUNCHER_VARS:
             mpatch.delenv(name, raising=False)
         yield
     if REPORT:
@@ -251,14 +277,7 @@ def _env():
 @pytest.fixture(scope="module")
 def world1(_env, tmp_path_factory):
     """Every world-1 job, in this process (a gloo group of one, one thread like the ranks)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        return _worker(0, 1, _jobs(1, tmp_path_factory.mktemp("w1")))
-    finally:
-        dist.destroy_process_group()
-        torch.set_num_threads(threads)
+    return in_one_process(_worker, _jobs(1, tmp_path_factory.mktemp("w1")))
 
 
 @pytest.fixture(scope="module")

@@ -34,8 +34,8 @@ from dist_trainer import distributed
 from dist_trainer.config import ConfigError, validate
 from dist_trainer.data import epoch_batches
 from dist_trainer.run import build
-from test_accumulation import (ATOL, GLOBAL, RTOL, _assert_close, _guard_trained, _launch, branchy_config,
-                               gpt_config, mlp_config)
+from test_accumulation import (ATOL, GLOBAL, RTOL, _assert_close, _guard_trained, branchy_config, gpt_config,
+                               in_one_process, launch_clean, mlp_config)
 
 STEPS = 3
 
@@ -198,24 +198,12 @@ def refs(tmp_path_factory):
     jobs = [("mlp/ref", mlp_config(32), STEPS), ("gpt/ref", gpt_config(32), STEPS),
             ("end/n73/ref", mlp_config(32, n=73), STEPS), ("master/ref", gpt_config(32), 1),
             ("gpt/fsdp1", _fsdp(gpt_config(8)), STEPS)]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        return _worker(0, 1, jobs)
-    finally:
-        dist.destroy_process_group()
-        torch.set_num_threads(threads)
+    return in_one_process(_worker, jobs)
 
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mpatch:
-        mpatch.setenv("OMP_NUM_THREADS", "1")
-        mpatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
-            mpatch.delenv(name, raising=False)
-        return _launch(_worker, 2, tmp_path_factory.mktemp("fsdp2"), _world2_jobs())
+    return launch_clean(_worker, 2, tmp_path_factory.mktemp("fsdp2"), _world2_jobs())
 
 
 def _job(results: dict, name: str) -> dict:

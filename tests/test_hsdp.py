@@ -28,7 +28,6 @@ import traceback
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from dist_trainer import distributed
@@ -36,7 +35,7 @@ from dist_trainer.config import BatchConfig, ConfigError, OptimConfig, validate
 from dist_trainer.data import epoch_batches
 from dist_trainer.plan import plan_numbers
 from dist_trainer.run import build
-from test_accumulation import GLOBAL, _assert_close, _launch, gpt_config, mlp_config
+from test_accumulation import GLOBAL, _assert_close, gpt_config, in_one_process, launch_clean, mlp_config
 
 WORLD = 4
 STEPS = 3
@@ -184,37 +183,14 @@ def _worker(rank: int, world_size: int, jobs: list) -> dict:
     return results
 
 
-def _four_ranks(tmp_path_factory, name: str, jobs: list) -> list:
-    """Every job on 4 spawned gloo ranks, in one launch, without a launcher's variables in the environment."""
-    with pytest.MonkeyPatch.context() as mpatch:
-        mpatch.setenv("OMP_NUM_THREADS", "1")
-        mpatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-        for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                    "TORCHELASTIC_RUN_ID"):
-            mpatch.delenv(var, raising=False)
-        return _launch(_worker, WORLD, tmp_path_factory.mktemp(name), jobs)
-
-
-def _one_process(jobs: list) -> dict:
-    """Every job in this process, on a group of one: the references."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        return _worker(0, 1, jobs)
-    finally:
-        dist.destroy_process_group()
-        torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
-    return _four_ranks(tmp_path_factory, "hsdp4", _jobs())
+    return launch_clean(_worker, WORLD, tmp_path_factory.mktemp("hsdp4"), _jobs())
 
 
 @pytest.fixture(scope="module")
 def grid4(tmp_path_factory):
-    return _four_ranks(tmp_path_factory, "grid4", _grid_jobs())
+    return launch_clean(_worker, WORLD, tmp_path_factory.mktemp("grid4"), _grid_jobs())
 
 
 def _ref_jobs() -> list:
@@ -226,7 +202,7 @@ def _ref_jobs() -> list:
 @pytest.fixture(scope="module")
 def refs():
     """One process, one big batch of 32 (K = 1)."""
-    return _one_process(_ref_jobs())
+    return in_one_process(_worker, _ref_jobs())
 
 
 @pytest.fixture(scope="module")
@@ -295,7 +271,7 @@ def test_hsdp_bf16_modes_within_the_tolerance_of_ddp(world4, ref, name):
 
 @pytest.mark.slow
 def test_hsdp_hugging_face_model_equals_one_process(grid4):
-    want = _job([_one_process([("hf", _hf(GLOBAL, GLOBAL), STEPS)])], "hf")
+    want = _job([in_one_process(_worker, [("hf", _hf(GLOBAL, GLOBAL), STEPS)])], "hf")
     _assert_same_run(_job(grid4, "hf"), want, "hsdp gpt2 (transformers)")
 
 
