@@ -7,11 +7,8 @@ and handed on as a plain ``Config``.
 from __future__ import annotations
 
 import io
-import json
 import logging
-import os
 import sys
-import time
 from pathlib import Path
 from typing import Optional, TextIO
 
@@ -24,6 +21,7 @@ from omegaconf.errors import MissingMandatoryValue
 from . import distributed
 from .checkpoint import CheckpointError, CheckpointWriteError
 from .config import Config, ConfigError
+from .health.console import console_on_main_only, report_error
 from .parallel import ConsistencyError
 from .precision import LossScaleError
 from .signals import EXIT_REQUEUE, Preempted
@@ -39,15 +37,6 @@ OmegaConf.register_new_resolver("dt_output_subdir", lambda: ".hydra" if distribu
 ConfigStore.instance().store(name="dist_trainer_schema", node=Config)
 
 log = logging.getLogger("dist_trainer")
-
-
-def _console_on_main_only() -> None:
-    """Ranks other than 0 keep their own log file but stay off the console."""
-    if distributed.rank() != 0:
-        root = logging.getLogger()
-        for handler in list(root.handlers):
-            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
-                root.removeHandler(handler)
 
 
 class _Tee(io.TextIOBase):
@@ -68,51 +57,31 @@ class _Tee(io.TextIOBase):
 
 
 _STDERR: dict = {}  # the real stderr while Hydra composes the config, before main() runs
-HYDRA_ERROR_GRACE_S = 10.0
-
-
-def _record_for_torchrun(err: BaseException) -> None:
-    """Write the error where torchrun reads it, so that its closing summary names the cause.
-
-    torchrun gives each worker TORCHELASTIC_ERROR_FILE; without it (a plain
-    process) there is nothing to write.
-    """
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    # torch.distributed.elastic's error-file format. These errors are expected and say what to
-    # change, so the "traceback" torchrun prints is the message itself, not a call stack.
-    message = f"{type(err).__name__}: {err}"
-    record = {"message": {"message": message, "extraInfo": {"py_callstack": message,
-                                                            "timestamp": str(int(time.time()))}}}
-    try:
-        with open(path, "w") as f:
-            json.dump(record, f)
-    except OSError:
-        pass  # the error itself was logged; a summary without it is no reason to fail differently
 
 
 def entry() -> None:
-    """Hydra's own errors (an unknown key, a bad override) are printed by rank 0 alone, and recorded for torchrun.
+    """Hydra's own errors (an unknown key, a bad override) are printed once, by the first rank to fail.
 
-    Until main() runs, stderr goes through a tee: rank 0 prints it, the others
-    only keep it. If Hydra stops before main(), what it printed is the error.
+    Until main() runs, stderr goes through a tee that only keeps what is
+    written. Once main() runs, rank 0 passes on what was kept (warnings); if
+    Hydra stops before main(), what it printed is the error, and the first rank
+    to fail prints it (health.console).
     """
     real = sys.stderr
-    tee = _Tee(real if distributed.rank() == 0 else None)
-    _STDERR["real"] = real
+    tee = _Tee(None)
+    _STDERR.update(real=real, tee=tee)
     sys.stderr = tee
     try:
         main()
     except SystemExit as exit_:
         if "real" in _STDERR and exit_.code not in (0, None):  # Hydra stopped before main()
-            lines = [line.strip() for line in tee.kept.getvalue().splitlines()
-                     if line.strip() and "HYDRA_FULL_ERROR" not in line]
-            _record_for_torchrun(ConfigError(" ".join(lines[:3]) if lines else f"exit status {exit_.code}"))
-            if distributed.rank() != 0:
-                # torchrun stops every worker once one exits: leave rank 0 the time to print the error
-                # (the same one: it comes from the same command line) before this rank's exit.
-                time.sleep(HYDRA_ERROR_GRACE_S)
+            sys.stderr = real
+            kept = tee.kept.getvalue()
+            lines = [line.strip() for line in kept.splitlines() if line.strip() and "HYDRA_FULL_ERROR" not in line]
+            report_error("ConfigError", " ".join(lines[:3]) if lines else f"exit status {exit_.code}",
+                         printed=kept)
+        elif "real" in _STDERR and distributed.rank() == 0:  # --help, --cfg: Hydra's output, as it was
+            real.write(tee.kept.getvalue())
         raise
     finally:
         sys.stderr = real
@@ -121,18 +90,18 @@ def entry() -> None:
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(dict_cfg: DictConfig) -> None:
-    if "real" in _STDERR:  # our code runs from here: stderr as it was
+    if "real" in _STDERR:  # our code runs from here: stderr as it was, with what Hydra wrote to it
         sys.stderr = _STDERR.pop("real")
+        if distributed.rank() == 0:
+            sys.stderr.write(_STDERR.pop("tee").kept.getvalue())
     from .run import train  # torch is imported after Hydra has parsed the command line
 
-    _console_on_main_only()
+    console_on_main_only()
     try:
         cfg: Config = OmegaConf.to_object(dict_cfg)
     except MissingMandatoryValue as err:  # e.g. model=custom without model._target_, data=tokens without data.path
         example = "my_pkg.module.Name" if err.full_key.endswith("_target_") else "..."
-        message = f"{err.full_key} must be set, e.g. {err.full_key}={example}"
-        log.error("%s", message)
-        _record_for_torchrun(ConfigError(message))
+        report_error("ConfigError", f"{err.full_key} must be set, e.g. {err.full_key}={example}")
         sys.exit(2)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
@@ -146,8 +115,7 @@ def main(dict_cfg: DictConfig) -> None:
         train(cfg, run_dir)
     except (ConfigError, LossScaleError, NonFiniteError, ConsistencyError, CheckpointError,
             CheckpointWriteError) as err:
-        log.error("%s", err)
-        _record_for_torchrun(err)
+        report_error(type(err).__name__, str(err))
         sys.exit(2)
     except Preempted as err:
         log.warning("%s", err)

@@ -132,7 +132,11 @@ class DistConfig:
     # ddp: gradients are views of the all-reduce buckets (one gradient-sized copy less);
     # always off with find_unused_parameters
     gradient_as_bucket_view: bool = True
-    timeout_s: int = 1800
+    # A step (or evaluation, checkpoint) running longer than this is a hang: the run stops in
+    # seconds and names the ranks that did not arrive (health/watchdog.py). auto | seconds | 0 (off)
+    step_timeout_s: Any = "auto"
+    init_timeout_s: int = 1800  # the collectives' timeout until the first step has finished (start-up, loading)
+    timeout_s: int = 1800  # each later collective's timeout
     check_consistency_every: int = 0  # optimizer steps; 0 disables the cross-rank bit-equality check
 
 
@@ -328,6 +332,10 @@ def _validate_values(cfg: Config) -> None:
     _check(cfg.plan.world_size is None or cfg.plan.world_size >= 1, "plan.world_size", cfg.plan.world_size,
            "must be >= 1")
     _check(d.timeout_s >= 1, "dist.timeout_s", d.timeout_s, "must be >= 1")
+    _check(d.init_timeout_s >= 1, "dist.init_timeout_s", d.init_timeout_s, "must be >= 1")
+    st = d.step_timeout_s
+    _check(st == "auto" or (isinstance(st, (int, float)) and not isinstance(st, bool) and st >= 0),
+           "dist.step_timeout_s", st, "choose auto, a number of seconds, or 0 (off)")
     _check(d.strategy in STRATEGIES, "dist.strategy", d.strategy, f"choose one of {STRATEGIES}")
     _check(d.fsdp.accum_sync in ACCUM_SYNCS, "dist.fsdp.accum_sync", d.fsdp.accum_sync,
            f"choose one of {ACCUM_SYNCS}")

@@ -147,6 +147,17 @@ def _torchrun_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
     return dist.PrefixStore(f"dist_trainer/attempt{attempt}", store)
 
 
+def set_timeout(seconds: float, groups: list) -> None:
+    """Give the process groups' later collectives ``seconds`` (dist.timeout_s after dist.init_timeout_s).
+
+    torch has no public way to change a group's timeout once it exists;
+    _set_pg_timeout is what torchtitan uses for the same split (a long first
+    collective while ranks load, short ones while they train).
+    """
+    for group in groups:
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+
+
 def shutdown(env: DistEnv) -> None:
     if env.owns_group and dist.is_initialized():
         dist.destroy_process_group()

@@ -86,8 +86,9 @@ def unit_shard_bytes(cfg: Config, model: nn.Module, precision: Precision, shard:
 
 
 def step_stats_bytes(world_size: int) -> int:
-    """The step's own all-reduce: float64 loss, items, samples, stop flag, norm share and one flag per rank."""
-    return (5 + world_size) * 8
+    """The step's own all-reduce: float64 loss, items, samples, stop flag, norm share; per rank a
+    non-finite flag, its data wait and its compute time."""
+    return (5 + 3 * world_size) * 8
 
 
 def expected_comm(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision) -> Dict[str, int]:
@@ -296,7 +297,7 @@ def plan_report(cfg: Config, world_size: int, local_world_size: Optional[int] = 
         f"  model {numbers['parameters']:,} trainable parameters, precision {cfg.precision.name}",
         *comm_lines(numbers, plan.accum_steps),
         f"  plus 1 all-reduce of {step_stats_bytes(world_size)} bytes (loss, item count, squared gradient norm, "
-        "skip and stop flags; step_allreduces; step 1 adds 2, of 8 and 16 bytes; the first after a resume 1, of 16)",
+        "skip and stop flags, each rank's data wait and compute time; step_allreduces; step 1 adds 2, of 8 and 16 bytes; the first after a resume 1, of 16)",
         f"  model state per rank after an optimizer step: {state / MIB:.2f} MiB ({state} bytes; state_mb, "
         f"dist.strategy={cfg.dist.strategy}, parameters, gradients, optimizer state"
         + (", FP32 masters)" if cfg.precision.name.endswith("-master") else ")"),

@@ -1,7 +1,8 @@
 """Plots and a text summary of a run: ``python -m dist_trainer.report RUN_DIR [--out DIR]``.
 
 Reads RUN_DIR/metrics.jsonl and writes loss.png, lr.png, loss_scale.png,
-throughput.png, overview.png (the four together) and summary.txt into
+throughput.png, ranks.png (the slowest and fastest rank's data wait and
+compute), overview.png (all five) and summary.txt into
 RUN_DIR/report/ (or --out). Plotting needs matplotlib (``pip install matplotlib``
 or ``pip install 'dist_trainer[report]'``); it is imported only when plotting.
 """
@@ -132,8 +133,36 @@ def draw_throughput(ax, records: Sequence[Record]) -> None:
     top.legend(lines, [line.get_label() for line in lines], loc="best")
 
 
+def draw_ranks(ax, records: Sequence[Record]) -> None:
+    """The slowest and fastest rank's compute and data wait per step; the rank slowest most often named."""
+    drawn = False
+    for name, color in (("compute_time", "tab:blue"), ("data_time", "tab:orange")):
+        steps, slow = series(records, f"{name}_max_s")
+        if not steps:
+            continue
+        drawn = True
+        label = name.replace("_time", "")
+        ax.plot(steps, [v * 1000 for v in slow], color=color, label=f"{label}: slowest rank")
+        ax.plot(*_ms(series(records, f"{name}_min_s")), color=color, linestyle=":", label=f"{label}: fastest rank")
+    if not drawn:
+        ax.set(title="Ranks: no per-rank figures in this run", xlabel="step", yticks=[])
+        return
+    _, busiest = series(records, "data_time_max_rank")
+    title = "Slowest and fastest rank"
+    if busiest:
+        often = max(set(busiest), key=busiest.count)
+        title += f" (slowest in data wait most often: rank {often:g}, {busiest.count(often)} of {len(busiest)} steps)"
+    ax.set(title=title, xlabel="step", ylabel="ms")
+    ax.legend()
+
+
+def _ms(points: Tuple[List[int], List[float]]) -> Tuple[List[int], List[float]]:
+    return points[0], [v * 1000 for v in points[1]]
+
+
 PANELS: Dict[str, Callable] = {
     "loss": draw_loss, "lr": draw_lr, "loss_scale": draw_loss_scale, "throughput": draw_throughput,
+    "ranks": draw_ranks,
 }
 
 
@@ -156,9 +185,12 @@ def write_plots(records: Sequence[Record], out: Path, title: str) -> List[Path]:
         draw(fig.add_subplot(), records)
         paths.append(out / f"{name}.png")
         fig.savefig(paths[-1], dpi=100)
-    fig = Figure(figsize=(13, 9), layout="constrained")
-    for ax, draw in zip(fig.subplots(2, 2).flat, PANELS.values()):
+    fig = Figure(figsize=(13, 13), layout="constrained")
+    axes = list(fig.subplots(3, 2).flat)
+    for ax, draw in zip(axes, PANELS.values()):
         draw(ax, records)
+    for ax in axes[len(PANELS):]:
+        ax.set_axis_off()
     fig.suptitle(title)
     paths.append(out / "overview.png")
     fig.savefig(paths[-1], dpi=100)

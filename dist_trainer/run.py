@@ -23,6 +23,8 @@ from .config import BatchPlan, Config, ConfigError, validate
 from .data import StepPlan, TrainLoader, build_dataset, eval_loader
 from .distributed import DistEnv
 from .finder import find_micro_batch_size, largest_divisor_at_most, model_trial
+from .health import stragglers, watchdog
+from .health.watchdog import Watchdog
 from .metrics import Outputs, peak_flops, peak_mem_mb
 from .optim import build_optimizer
 from .parallel import build_strategy, check_consistency
@@ -82,20 +84,25 @@ def train(cfg: Config, run_dir: Path) -> Dict[str, Any]:
     if cfg.batch.micro_batch_size == "auto" and (cfg.trainer.device == "cpu" or not torch.cuda.is_available()):
         raise ConfigError("batch.micro_batch_size=auto measures GPU memory and needs a CUDA device; "
                           "on CPU set an integer batch.micro_batch_size")
-    env = distributed.init(cfg.trainer.device, cfg.dist.timeout_s)
+    env = distributed.init(cfg.trainer.device, cfg.dist.init_timeout_s)
+    watch = watchdog.start(cfg.dist.step_timeout_s, cfg.dist.init_timeout_s, cfg.dist.init_timeout_s,
+                           env.rank, env.world_size)
     if cfg.trainer.tune_malloc and env.device.type == "cpu":
         tuned = hostmem.keep_freed_memory()  # before the model and data are allocated
         if env.is_main:
             log.info("host malloc: %s", "freed blocks kept for reuse (trainer.tune_malloc=false to keep the "
                      "system's settings)" if tuned else f"left as set ({hostmem.user_choice() or 'not glibc'})")
     try:
-        return _train(cfg, plan, env, Path(run_dir))
+        return _train(cfg, plan, env, Path(run_dir), watch)
     except BaseException as err:
+        if watchdog.is_collective_failure(err):
+            watch.collective_failed(err)  # names the step, the collective and who did not arrive; exits
         # The traceback's frames still hold the DDP object; clear them so it is
         # freed before the process group is destroyed (the other order can hang).
         traceback.clear_frames(err.__traceback__)
         raise
     finally:
+        watch.close()
         gc.collect()
         distributed.shutdown(env)
 
@@ -155,7 +162,7 @@ class Position:
     samples: int = 0
 
 
-def _train(cfg: Config, plan: BatchPlan, env: DistEnv, run_dir: Path) -> Dict[str, Any]:
+def _train(cfg: Config, plan: BatchPlan, env: DistEnv, run_dir: Path, watch: Watchdog) -> Dict[str, Any]:
     parts = build(cfg, plan, env)
     model = parts.trainer.module
     if cfg.batch.micro_batch_size == "auto":
@@ -169,11 +176,13 @@ def _train(cfg: Config, plan: BatchPlan, env: DistEnv, run_dir: Path) -> Dict[st
     position = resume(parts, plan, env, run_dir, cfg.trainer.seed, cfg.trainer.keep_checkpoints)
     outputs = Outputs(run_dir, env.is_main, cfg.logger, plan.max_steps, position.step, cfg.trainer.log_every)
     stop = StopRequest()
+    hosts = stragglers.gather_hosts(env.world_size)
     try:
-        summary = _loop(cfg, parts, position, outputs, stop, run_dir)
+        summary = _loop(cfg, parts, position, outputs, stop, run_dir, watch, hosts)
     finally:
         stop.close()
         outputs.close()
+    watch.begin("final", position.step)
     final = parts.trainer.strategy.full_state_dict()  # every rank takes part; under fsdp rank 0 gets it whole
     save_final_model(final, run_dir, env, position.step, _hf_export(model))
     return summary
@@ -246,7 +255,7 @@ def save_checkpoint(parts: Parts, position: Position, env: DistEnv, run_dir: Pat
 
 
 def _loop(cfg: Config, parts: Parts, position: Position, outputs: Outputs, stop: StopRequest,
-          run_dir: Path) -> Dict[str, Any]:
+          run_dir: Path, watch: Watchdog, hosts: list) -> Dict[str, Any]:
     trainer, eval_set = parts.trainer, parts.eval_set
     env, plan, tcfg = trainer.env, trainer.plan, cfg.trainer
     num_workers = cfg.data.get("num_workers", 0)
@@ -259,27 +268,40 @@ def _loop(cfg: Config, parts: Parts, position: Position, outputs: Outputs, stop:
     loader = TrainLoader(parts.train_set, parts.step_plan, num_workers, pin, cfg.data.get("prefetch_factor"))
     compiles = CompileWatch(tcfg.compile, env.is_main)
     mfu_basis = _peak_model_flops(trainer)  # looked up once: neither changes during the run
+    lagging = stragglers.StragglerWatch(hosts, env.is_main)
     record: Dict[str, Any] = {}
+    steps_here = 0  # steps of this attempt
     tick = time.perf_counter()
+    watch.begin("step", position.step + 1)  # its data wait first
     while position.step < plan.max_steps:
         for window, batches in loader.epoch(position.epoch, position.step_in_epoch):
             fetched = time.perf_counter()  # the wait for this step's micro-batches ends here
+            watch.computing()
             step = position.step + 1
             outcome = trainer.train_step([to_device(b, env.device) for b in batches], window, step,
-                                         stop_requested=lambda: stop.requested)
+                                         stop_requested=lambda: stop.requested, data_time_s=fetched - tick)
+            steps_here += 1
+            if steps_here == 1:  # start-up is over: later collectives get dist.timeout_s
+                distributed.set_timeout(cfg.dist.timeout_s, trainer.strategy.groups)
+                watch.collective_timeout_s = cfg.dist.timeout_s
             position.step, position.step_in_epoch = step, position.step_in_epoch + 1
             position.samples += outcome.samples
             now = time.perf_counter()
             record = step_record(outcome, position, trainer, now - tick, fetched - tick, mfu_basis)
             record.update(compiles.after_step(step, now - tick) or {})
+            record.update(stragglers.figures(outcome.data_times, outcome.compute_times))
+            lagging.after_step(step, steps_here, outcome.data_times, outcome.compute_times)
             last = step == plan.max_steps
             if evals is not None and ((tcfg.eval_every and step % tcfg.eval_every == 0) or last):
+                watch.begin("eval", step)
                 record["eval_loss"] = evaluate(trainer.module, evals, trainer.precision, env.device, tcfg.compile,
                                                trainer.strategy.evaluation)
             outputs.write(record)
             if last or outcome.stop_requested or (tcfg.ckpt_every and step % tcfg.ckpt_every == 0):
+                watch.begin("checkpoint", step)
                 save_checkpoint(parts, position, env, run_dir, tcfg.keep_checkpoints)
             if cfg.dist.check_consistency_every and step % cfg.dist.check_consistency_every == 0:
+                watch.begin("check", step)
                 check_consistency(trainer.consistency_tensors(), step)
             if outcome.stop_requested and not last:  # at the last step, just finish
                 raise Preempted(f"step {step}: stop requested by a signal; checkpoint written, "
@@ -287,6 +309,7 @@ def _loop(cfg: Config, parts: Parts, position: Position, outputs: Outputs, stop:
             tick = time.perf_counter()  # evaluation and checkpoint time is not step time
             if last:
                 break
+            watch.begin("step", step + 1)
         else:
             position.epoch, position.step_in_epoch = position.epoch + 1, 0
     return {"steps": position.step, "updates": trainer.updates, "samples": position.samples,

@@ -6,7 +6,8 @@ One optimizer step, as pseudocode::
     for each micro-batch of the window:
         (in the strategy's micro-batch context: ddp's no_sync, or fsdp's gradient sync switch)
         autocast forward, then backward of loss_sum * scale / divisor  # scale and divisor fixed for the window
-    one all-reduce: [loss_sum, items, samples, stop flag, squared gradient norm shares, non-finite flags]
+    one all-reduce: [loss_sum, items, samples, stop flag, squared gradient norm shares, non-finite flags,
+                     each rank's data wait and compute time]
     if any gradient is non-finite anywhere: skip (every rank alike), back the scale off
     if the step holds no items at all: skip it, the scale untouched
     else: grads *= world * divisor / (scale * items), clipped, in one multiply
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional
@@ -63,6 +65,10 @@ class StepOutcome:
     state_mb: Optional[float] = None  # model state of the largest rank after the update (see Trainer.state_mb)
     # state_mb plus the most gathered parameters and unsharded gradients held at once during a step
     step_peak_state_mb: Optional[float] = None
+    # Every rank's wait for this step's micro-batches, and its compute until its last gradient
+    # reduction was issued (health/stragglers.py), by rank.
+    data_times: List[float] = field(default_factory=list)
+    compute_times: List[float] = field(default_factory=list)
 
 
 def _leading_dim(batch: Any) -> int:
@@ -124,8 +130,10 @@ class Trainer:
         self.own_comm = {"step_allreduces": 0, "step_allreduce_bytes": 0}
 
     def train_step(self, batches: List[Any], window: Window, step: int,
-                   stop_requested: Callable[[], bool] = lambda: False) -> StepOutcome:
+                   stop_requested: Callable[[], bool] = lambda: False, data_time_s: float = 0.0) -> StepOutcome:
+        """``data_time_s``: how long this rank waited for ``batches`` (shared with the others in the all-reduce)."""
         model, strategy, scale = self.model, self.strategy, self.precision.scaler.scale
+        began = time.perf_counter()
         comm0 = {**strategy.comm(), **self.own_comm}
         strategy.track_peak(self.state_mb is None)  # until the step that measures state_mb
         self.weights.zero_grad()
@@ -145,7 +153,9 @@ class Trainer:
                 self.weights.accumulate()  # master modes: into the FP32 buffers
             loss_sum += mb_loss_sum.detach()
             items += mb_items
-        totals = self._reduce_window(loss_sum, items, sum(len(ix) for ix in window), stop_requested)
+        ready = strategy.grads_ready_at()  # when this rank issued its last gradient reduction
+        times = (data_time_s, (ready if ready > began else time.perf_counter()) - began)
+        totals = self._reduce_window(loss_sum, items, sum(len(ix) for ix in window), stop_requested, times)
         outcome = self._apply(totals, scale, step)
         if self.state_mb is None and not outcome.skipped:
             self.state_mb, self.step_peak_state_mb = self._measure_state_mb()
@@ -155,6 +165,7 @@ class Trainer:
         outcome.allreduces = outcome.comm.get("allreduces", 0)
         outcome.allreduce_bytes = outcome.comm.get("allreduce_bytes", 0)
         outcome.state_mb, outcome.step_peak_state_mb = self.state_mb, self.step_peak_state_mb
+        outcome.data_times, outcome.compute_times = totals["data_times"], totals["compute_times"]
         return outcome
 
     def _all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
@@ -170,18 +181,20 @@ class Trainer:
         return max(total.item() / self.env.world_size, 1.0)
 
     def _reduce_window(self, loss_sum: torch.Tensor, items: torch.Tensor, samples: int,
-                       stop_requested: Callable[[], bool]) -> dict:
+                       stop_requested: Callable[[], bool], times: tuple[float, float]) -> dict:
         """One all-reduce of the step's totals, non-finite flags and stop requests.
 
         Gradients are already identical on all ranks here (the last backward
         all-reduced them), but the flags are summed anyway so that the skip
         decision is the same on every rank by construction, whatever happened
         locally; a stop request (a signal reaches one rank first) likewise.
-        float64 keeps item counts exact far beyond 2**24.
+        float64 keeps item counts exact far beyond 2**24. Each rank's (data wait,
+        compute) go in its own slots, so the sum holds every rank's: the straggler
+        figures cost no collective of their own.
         """
         grads = [g for _, g in self.weights.grads()]
         world = self.env.world_size
-        stats = torch.zeros(5 + world, dtype=torch.float64, device=self.env.device)
+        stats = torch.zeros(5 + 3 * world, dtype=torch.float64, device=self.env.device)
         # Read the stop flag now, at the step's end: a signal that came during
         # this step stops the run after it, not after the next one.
         stats[0], stats[1], stats[2], stats[3] = loss_sum, items, samples, float(stop_requested())
@@ -189,6 +202,7 @@ class Trainer:
         # replicated): its shares add up over ranks to the squared norm of the whole gradient.
         stats[4] = self.strategy.grad_norm_sq(grads)
         stats[5 + self.env.rank] = (~torch.isfinite(loss_sum)).to(torch.float64)
+        stats[5 + world + self.env.rank], stats[5 + 2 * world + self.env.rank] = times
         self._all_reduce(stats)
         values = stats.tolist()  # the step's one host sync
         bad_ranks = [r for r in range(world) if values[5 + r] > 0]
@@ -197,6 +211,7 @@ class Trainer:
         return {"loss_sum": values[0], "items": values[1], "samples": int(values[2]),
                 "nonfinite": not math.isfinite(norm) or bool(bad_ranks), "stop": values[3] > 0,
                 "bad_ranks": bad_ranks,
+                "data_times": values[5 + world:5 + 2 * world], "compute_times": values[5 + 2 * world:],
                 "raw_norm": norm}  # norm of the grads as they stand: scaled, not yet normalised
 
     def _apply(self, totals: dict, scale: float, step: int) -> StepOutcome:

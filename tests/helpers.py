@@ -81,6 +81,7 @@ def run_module(args: List[str], cwd: Path, timeout: float = 240, torchrun_nproc:
 
 # ------------------------------------------------- checkpoint tests (test_checkpoint.py)
 
+import threading  # noqa: E402
 import time as _time  # noqa: E402
 
 from dist_trainer.models import GPT as _GPT  # noqa: E402
@@ -117,3 +118,46 @@ class FaultyGPT(_GPT):
         if self.train_calls in self.nan_calls and self.nan_rank in (None, rank):
             out = {**out, "loss_sum": out["loss_sum"] * float("nan")}
         return out
+
+
+# ------------------------------------------------- hang and straggler tests (test_hang.py)
+
+class SlowOnOneRank(torch.utils.data.Dataset):
+    """char_text whose training samples, on one rank, cost ``sleep_s`` each and then block forever.
+
+    On ``slow_rank`` each training sample sleeps ``sleep_s`` (a straggler in data
+    wait), and the call after ``block_after`` calls of this process creates
+    ``blocked_file`` and blocks for good (a loader that hangs). Calls are counted
+    per process: with data.num_workers=1 it is the loader worker that blocks.
+    """
+
+    def __init__(self, slow_rank: int, sleep_s: float, block_after: int, blocked_file: str,
+                 split: str = "train", **kwargs: Any):
+        from dist_trainer.datasets import char_text
+
+        self.base = char_text(split=split, **kwargs)
+        self.slow = split == "train" and int(os.environ.get("RANK", "0")) == slow_rank
+        self.sleep_s, self.block_after, self.blocked_file = sleep_s, block_after, blocked_file
+        self.calls = 0
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, index: int):
+        if self.slow:
+            self.calls += 1
+            if self.calls > self.block_after:
+                Path(self.blocked_file).touch()
+                threading.Event().wait()  # forever: only a kill ends it
+            _time.sleep(self.sleep_s)
+        return self.base[index]
+
+
+def fails_on_rank(rank: int, **kwargs: Any):
+    """char_text, except on ``rank``, whose data is missing: an error one rank alone meets."""
+    from dist_trainer.config import ConfigError
+    from dist_trainer.datasets import char_text
+
+    if int(os.environ.get("RANK", "0")) == rank:
+        raise ConfigError(f"data.path=/nowhere/shard{rank}.bin: no such file on rank {rank}")
+    return char_text(**kwargs)

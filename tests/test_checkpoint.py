@@ -8,6 +8,9 @@ What is proved here:
   scale in one process);
 * torchrun's elastic restart after a worker is SIGKILLed resumes and ends
   bit-identical to an uninterrupted run;
+* a worker stopped with SIGSTOP (which torchrun never notices) ends the attempt
+  within dist.step_timeout_s + 30 s, named with its pid and step by one error,
+  rank 0's stacks in its log; the restart resumes and ends bit-identical;
 * SIGUSR1 (preemption) on one worker: every rank stops after the same step,
   checkpoints, exits with EXIT_REQUEUE; a second start resumes and ends
   bit-identical, and the stop comes after the step the signal arrived in;
@@ -292,13 +295,19 @@ NAN_SKIP = TINY + FAULTY + ["batch.global_batch_size=8", "batch.micro_batch_size
 
 
 def gated(gate: Path, call: int, rank: int) -> List[str]:
-    """FaultyGPT blocks rank's training-forward number ``call`` until ``gate`` exists."""
+    """FaultyGPT blocks rank's training-forward number ``call`` until ``gate`` exists.
+
+    A gate in the first 5 steps may wait for its test as long as it likes: the step
+    watchdog (dist.step_timeout_s=auto) gives them dist.init_timeout_s. A later one, or
+    a run with a number of seconds, must be started by the test that opens it.
+    """
     return FAULTY + [f"+model.gate_call={call}", f"+model.gate_file={gate}", f"+model.gate_rank={rank}"]
 
 
 # accum 2 on 2 ranks: rank 1's forward 2s-1 is the first micro-batch of step s.
 ELASTIC_GATE_STEP = 5  # checkpoints 2 and 4 are written
 PREEMPT_GATE_STEP = 4
+HANG_GATE_STEP, HANG_TIMEOUT_S = 5, 10  # a rank stopped in step 5; dist.step_timeout_s
 
 
 def uses(*names: str):
@@ -417,6 +426,40 @@ def test_elastic_restart_after_a_worker_is_killed_resumes_bit_identical(jobs, fp
     assert killed_after == ELASTIC_GATE_STEP - 1
     assert result.returncode == 0, result.output[-4000:]
     # torchrun restarted the group; its rank 0 resumed from the newest checkpoint.
+    assert resumed_from(result.output) == str(ckpt(run_dir, 4)), result.output[-4000:]
+    assert_same_metrics(run_dir, fp32_2rank.ref, STEPS)
+    assert_bit_identical(run_dir, fp32_2rank.ref)
+
+
+@uses("ref", "half")
+def test_a_stopped_rank_is_named_within_the_step_timeout_and_the_restart_resumes_bit_identical(fp32_2rank, tmp_path):
+    # SIGSTOP, as a stalled device or a debugger would: torchrun sees no exit code, and without the
+    # watchdog rank 0 would wait for dist.timeout_s. torchrun --max-restarts=1; the gate is in step 5.
+    # Started here, not up front: a gate that waits past dist.step_timeout_s would be a hang itself.
+    run_dir, gate = tmp_path / "run", tmp_path / "gate"
+    args = JOB2 + gated(gate, 2 * HANG_GATE_STEP - 1, rank=1) + [
+        f"trainer.max_steps={STEPS}", f"dist.step_timeout_s={HANG_TIMEOUT_S}", f"hydra.run.dir={run_dir}"]
+    with Job(args, tmp_path, 2, ["--max-restarts=1"]) as job:
+        wait_for(lambda: Path(f"{gate}.waiting").exists(), job, 120, f"rank 1 in step {HANG_GATE_STEP}")
+        stopped = job.workers()[1]
+        os.kill(stopped, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        gate.touch()  # the restarted rank 1 passes
+        wait_for(lambda: "failed (exitcode: 124)" in job.output(), job, HANG_TIMEOUT_S + 30,
+                 "the hang to end the attempt")
+        ended_after = time.monotonic() - stopped_at
+        result = SimpleNamespace(returncode=job.wait(150), output=job.output())
+    assert result.returncode == 0, result.output[-4000:]
+    assert ended_after <= HANG_TIMEOUT_S + 30
+    found = re.findall(r"\[ERROR\] - (the run hangs: .*)", result.output)
+    assert len(found) == 1, result.output[-4000:]
+    assert (f"computing in step {HANG_GATE_STEP} has taken" in found[0]
+            and f"(dist.step_timeout_s={HANG_TIMEOUT_S})" in found[0]), found[0]
+    assert re.search(rf"rank 1 \(host \S+, pid {stopped}\) did not respond: stopped, or frozen whole; "
+                     rf"the last step it began was {HANG_GATE_STEP}; rank 0 waited for it", found[0]), found[0]
+    log = (run_dir / "rank0.log").read_text()
+    stacks = log[log.index("the stacks of every thread of rank 0 follow"):]
+    assert "in train_step" in stacks and "in _watch" in stacks, stacks[:3000]
     assert resumed_from(result.output) == str(ckpt(run_dir, 4)), result.output[-4000:]
     assert_same_metrics(run_dir, fp32_2rank.ref, STEPS)
     assert_bit_identical(run_dir, fp32_2rank.ref)

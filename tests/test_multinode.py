@@ -14,13 +14,19 @@ micro 4 x accum 2) and ``dist.fsdp.reshard=step``. What is proved:
   exactly: step 1 its ``first_step``, the others its ``step``;
 * split invariance across the launch: the final model equals one process with
   the same global batch (32 = 1 x micro 4 x accum 8), fp32 and SGD, within
-  rtol 1e-5 / atol 1e-7.
+  rtol 1e-5 / atol 1e-7;
+* a worker stopped under the two agents is named (pid, step) within
+  dist.step_timeout_s + 30 s, killed by its agent's other worker, and the
+  restarted launch resumes and ends bit-identical to the uninterrupted one.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import signal
+import time
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,7 +36,7 @@ import torch
 
 from dist_trainer.models import GPT
 from helpers import free_port
-from test_checkpoint import TINY, Job, final_params, metrics
+from test_checkpoint import TINY, Job, ckpt, final_params, gated, metrics, resumed_from, wait_for
 
 # Two agents, four workers and a reference process on 2 cores: about 15-30 s. Marked slow to keep the
 # default suite under 12 minutes (tests/test_hsdp.py covers hsdp on 4 spawned ranks there); .ci/run runs it.
@@ -132,3 +138,45 @@ def test_final_model_equals_one_process_with_the_same_global_batch(two_nodes):
     assert params.keys() == ref.keys()
     for name in ref:
         torch.testing.assert_close(params[name], ref[name], rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_a_stopped_rank_under_two_agents_is_named_and_the_restart_resumes_bit_identical(two_nodes, tmp_path):
+    # The same launch with --max-restarts=1 and dist.step_timeout_s: rank 3 (the second agent's
+    # second worker) is stopped in step 3 (accum 2: its forward 5). Rank 2, of the same agent,
+    # kills it once it is named; both agents restart; the run resumes from checkpoint 2 and ends
+    # bit-identical to the uninterrupted launch above.
+    assert two_nodes.codes[:2] == [0, 0], two_nodes.agents_output[-6000:]
+    run_dir, gate, timeout_s = tmp_path / "run", tmp_path / "gate", 10
+    rdzv = ["--nnodes=2", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+            f"--rdzv_id=hang-{uuid.uuid4().hex[:12]}", "--max-restarts=1"]
+    args = BASE + HSDP + gated(gate, 5, rank=3) + ["trainer.ckpt_every=2", f"dist.step_timeout_s={timeout_s}",
+                                                    f"hydra.run.dir={run_dir}"]
+    multi_node = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    with Job(args, tmp_path, 2, rdzv, standalone=False, env_extra=multi_node) as a, \
+            Job(args, tmp_path, 2, rdzv, standalone=False, env_extra=multi_node) as b:
+        wait_for(lambda: Path(f"{gate}.waiting").exists(), a, 180, "rank 3 in step 3")
+        workers = {**a.workers(), **b.workers()}
+        assert sorted(workers) == [0, 1, 2, 3], workers
+        os.kill(workers[3], signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        gate.touch()
+        wait_for(lambda: "failed (exitcode: 124)" in a.output() + b.output(), a, timeout_s + 30,
+                 "the hang to end the attempt")
+        ended_after = time.monotonic() - stopped_at
+        codes = a.wait(240), b.wait(240)
+        outputs = a.output() + b.output()
+    assert codes == (0, 0), outputs[-6000:]
+    assert ended_after <= timeout_s + 30
+    found = set(re.findall(r"\[ERROR\] - (the run hangs: .*)", outputs))
+    assert found, outputs[-6000:]
+    for message in found:  # whichever rank printed it, it names rank 3 and its step
+        assert re.search(rf"rank 3 \(host \S+, pid {workers[3]}\) did not respond: stopped, or frozen whole; "
+                         r"the last step it began was 3", message), message
+    assert f"killed rank 3 (pid {workers[3]})" in (run_dir / "rank2.log").read_text()
+    for rank in (0, 1, 2):
+        log = (run_dir / f"rank{rank}.log").read_text()
+        assert f"the stacks of every thread of rank {rank} follow" in log, rank
+    assert resumed_from(outputs) == str(ckpt(run_dir, 2)), outputs[-6000:]
+    params, ref = final_params(run_dir), final_params(two_nodes.run_dir)
+    assert params.keys() == ref.keys()
+    assert [name for name in ref if not torch.equal(params[name], ref[name])] == []

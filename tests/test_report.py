@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PLOTS = ("loss", "lr", "loss_scale", "throughput", "overview")
+PLOTS = ("loss", "lr", "loss_scale", "throughput", "ranks", "overview")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # An init scale of 1e6 overflows fp16 for the first few steps of this tiny GPT (they are
 # skipped while the scale halves), after which steps apply: both kinds appear in 8 steps.
@@ -112,7 +112,7 @@ def test_no_loss_scale_and_missing_keys(tmp_path):
     _require_matplotlib()
     from matplotlib.figure import Figure
 
-    from dist_trainer.report import draw_loss_scale, draw_throughput, format_summary, summarize, write_plots
+    from dist_trainer.report import draw_loss_scale, draw_ranks, draw_throughput, format_summary, summarize, write_plots
 
     records = [{"step": s, "loss": 2.0 / s, "lr": 1e-3, "loss_scale": None, "skipped": s == 2,
                 "samples": 8 * s, "samples_per_s": 100.0 + s, "tokens_per_s": 800.0 + s} for s in range(1, 5)]
@@ -127,7 +127,28 @@ def test_no_loss_scale_and_missing_keys(tmp_path):
     assert [t.get_text() for t in legend.get_texts()] == ["samples/s", "tokens/s"]
     text = format_summary(summarize(records))  # no eval_loss, step_time_s or peak_mem_mb keys
     assert "final eval loss: -" in text and "peak memory MB: -" in text and "skipped steps: 1" in text
+    ax = Figure().add_subplot()
+    draw_ranks(ax, records)  # a run from before the per-rank figures
+    assert "no per-rank figures" in ax.get_title()
     assert len(write_plots(records, tmp_path, "synthetic")) == len(PLOTS)
+
+
+def test_the_ranks_panel_draws_the_slowest_and_fastest_rank_and_names_the_usual_straggler():
+    _require_matplotlib()
+    from matplotlib.figure import Figure
+
+    from dist_trainer.report import draw_ranks
+
+    records = [{"step": s, "data_time_max_s": 0.05, "data_time_max_rank": 1 if s != 3 else 0,
+                "data_time_min_s": 0.001, "data_time_min_rank": 0, "compute_time_max_s": 0.02,
+                "compute_time_max_rank": 0, "compute_time_min_s": 0.018, "compute_time_min_rank": 1}
+               for s in range(1, 5)]
+    ax = Figure().add_subplot()
+    draw_ranks(ax, records)
+    assert [line.get_label() for line in ax.get_lines()] == [
+        "compute: slowest rank", "compute: fastest rank", "data: slowest rank", "data: fastest rank"]
+    assert list(ax.get_lines()[2].get_ydata()) == [50.0] * 4  # in ms
+    assert "rank 1, 3 of 4 steps" in ax.get_title()
 
 
 def test_missing_matplotlib_says_how_to_install(tmp_path):

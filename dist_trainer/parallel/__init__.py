@@ -37,6 +37,7 @@ class Strategy(Protocol):
     model: nn.Module  # what the step calls
     module: nn.Module  # the user's model as built (its parameter names)
     weights: Any  # where the optimizer's FP32 weights and the step's gradients live: grads(), zero_grad(), ...
+    groups: List[Any]  # every process group its collectives run on (the default one first)
 
     def micro_batch(self, last: bool) -> ContextManager:
         """The context of one micro-batch's forward and backward: whether its backward reduces gradients."""
@@ -52,6 +53,9 @@ class Strategy(Protocol):
 
     def peak_bytes(self) -> int:
         """The most such bytes held at once while tracked (0: nothing beyond the state)."""
+
+    def grads_ready_at(self) -> float:
+        """time.perf_counter() when this rank last issued a gradient reduction: its compute was done."""
 
     def comm(self) -> Dict[str, int]:
         """Collectives issued so far, counted where they are issued: calls and bytes by kind."""

@@ -7,6 +7,7 @@ decides how a bucket is reduced: master modes send FP32 copies of half buckets).
 
 # No "from __future__ import annotations": DDP inspects the hook's real annotations.
 
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,11 +39,13 @@ class AllreduceCounter:
     # Bytes per gradient element that ``reduce`` sends: None, the bucket's own dtype;
     # 4 in master modes, which all-reduce an FP32 copy of half-precision buckets.
     sent_element_size: Optional[int] = None
+    last_issued: float = 0.0  # time.perf_counter() of the latest call: this rank's gradients were ready
 
 
 def _counting_hook(counter: AllreduceCounter, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     buffer = bucket.buffer()
     counter.calls += 1
+    counter.last_issued = time.perf_counter()
     counter.bytes += buffer.numel() * (counter.sent_element_size or buffer.element_size())
     return counter.reduce(bucket, counter.process_group)
 
@@ -96,6 +99,7 @@ class DDPStrategy:
         if isinstance(self.weights, ModelWeights) and bucket_views(cfg):
             self.weights.keep_grad_buffers = True
         self.counter = count_allreduces(self.model, self.weights.reduce_bucket, self.weights.sent_element_size)
+        self.groups = [dist.group.WORLD]  # every collective runs on the default group
 
     def micro_batch(self, last: bool) -> ContextManager:
         # no_sync must cover forward AND backward: DDP decides during forward
@@ -122,6 +126,9 @@ class DDPStrategy:
         """
         norm = torch.nn.utils.get_total_norm(grads, error_if_nonfinite=False) if grads else torch.zeros(())
         return norm.double().square() * float(self.is_first_replica)
+
+    def grads_ready_at(self) -> float:
+        return self.counter.last_issued
 
     def comm(self) -> Dict[str, int]:
         return {**dict.fromkeys(COMM_KEYS, 0), "allreduces": self.counter.calls, "allreduce_bytes": self.counter.bytes}

@@ -36,11 +36,13 @@ no second copy, and gradients are reduced in FP32.
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict,
@@ -105,6 +107,7 @@ class CommCounter:
     def __init__(self, meter: PeakMeter) -> None:
         self.counts = dict.fromkeys(COMM_KEYS, 0)
         self.meter = meter  # samples what is held unsharded at each collective
+        self.last_reduce_scatter = 0.0  # time.perf_counter() of the latest: this rank's gradients were ready
 
     def all_reduced(self, reduce_output: torch.Tensor) -> None:
         """FSDP's all-reduce hook: under hsdp it runs right after each replica all-reduce, on its output."""
@@ -133,6 +136,7 @@ class _CountingReduceScatter(DefaultReduceScatter):
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         self.counter.counts["reduce_scatters"] += 1
+        self.counter.last_reduce_scatter = time.perf_counter()
         self.counter.counts["reduce_scatter_bytes"] += input_tensor.numel() * input_tensor.element_size()
         self.counter.meter.sample(input_tensor)
         return super().__call__(output_tensor, input_tensor, group, op, async_op)
@@ -232,6 +236,7 @@ class FSDPStrategy:
         # Replicas hold equal shards: the first replica's ranks alone give the gradient norm.
         self.is_first_replica = env.rank < mesh.shard
         self.weights = ShardedWeights(model)
+        self.groups = [dist.group.WORLD, *dmesh.get_all_groups()]
 
     @contextmanager
     def micro_batch(self, last: bool) -> Iterator[None]:
@@ -276,6 +281,9 @@ class FSDPStrategy:
         local = (torch.stack(torch._foreach_norm(grads)).double().square().sum() if grads
                  else torch.zeros((), dtype=torch.float64))
         return local * float(self.is_first_replica)
+
+    def grads_ready_at(self) -> float:
+        return self.counter.last_reduce_scatter
 
     def comm(self) -> Dict[str, int]:
         return dict(self.counter.counts)
