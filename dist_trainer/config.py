@@ -8,6 +8,7 @@ checked ``Config`` and derives the ``BatchPlan`` before any tensor exists.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 from dataclasses import dataclass, field
@@ -148,6 +149,46 @@ class PlanConfig:
 
 
 @dataclass
+class WandbConfig:
+    """logging.wandb.*: null leaves a key to wandb, which reads WANDB_PROJECT, WANDB_ENTITY, ... itself."""
+
+    project: Optional[str] = None
+    entity: Optional[str] = None
+    name: Optional[str] = None  # null: the run directory's name
+    tags: List[str] = field(default_factory=list)
+    group: Optional[str] = None
+    mode: Optional[str] = None  # online | offline | disabled
+
+
+@dataclass
+class MlflowConfig:
+    """logging.mlflow.*: null reads MLFLOW_TRACKING_URI and MLFLOW_EXPERIMENT_NAME."""
+
+    tracking_uri: Optional[str] = None
+    experiment: Optional[str] = None  # null and no MLFLOW_EXPERIMENT_NAME: dist_trainer
+    run_name: Optional[str] = None  # null: the run directory's name
+
+
+@dataclass
+class LoggingConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    hf_model_artifact: bool = False  # also upload hf_model/ at the end (the report's PNGs always go)
+
+
+LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow")
+# The package each tracker needs, and the extra that brings it.
+LOGGER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
+                   "mlflow": ("mlflow", "mlflow")}
+
+
+def logger_names(logger: Any) -> List[str]:
+    """``logger`` as a list: a single name (logger=tensorboard) or a list (logger=[jsonl,wandb]); jsonl always."""
+    names = [logger] if isinstance(logger, str) else list(logger)
+    return ["jsonl"] + [n for n in names if n != "jsonl"]
+
+
+@dataclass
 class Config:
     model: Dict[str, Any] = field(default_factory=dict)
     data: Dict[str, Any] = field(default_factory=dict)
@@ -157,7 +198,9 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
-    logger: str = "jsonl"  # jsonl, or tensorboard (also writes metrics.jsonl)
+    # jsonl (always written), tensorboard, wandb, mlflow: a name or a list, e.g. logger=[jsonl,wandb]
+    logger: Any = "jsonl"
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
 @dataclass(frozen=True)
@@ -234,6 +277,18 @@ class BatchPlan:
 def _check(ok: bool, key: str, value: Any, why: str) -> None:
     if not ok:
         raise ConfigError(f"{key}={value!r}: {why}")
+
+
+def _check_loggers(logger: Any) -> None:
+    names = [logger] if isinstance(logger, str) else logger
+    _check(isinstance(logger, str) or (isinstance(logger, (list, tuple)) and all(isinstance(n, str) for n in logger)),
+           "logger", logger, "a name or a list of names, e.g. logger=[jsonl,wandb]")
+    for name in names:
+        _check(name in LOGGERS, "logger", list(names), f"{name!r} is not one of {list(LOGGERS)}")
+        package, extra = LOGGER_PACKAGES.get(name, (None, None))
+        if package is not None and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"logger={list(names)} needs the {package} package: pip install -e '.[{extra}]' "
+                              f"(or pip install {package})")
 
 
 def _divisors(n: int) -> List[int]:
@@ -368,7 +423,7 @@ def _validate_values(cfg: Config) -> None:
         _check(cfg.batch.micro_batch_size != "auto", "batch.micro_batch_size", "auto",
                "is not supported with dist.strategy=fsdp (its trials run the whole unsharded model on each "
                "rank): set an integer batch.micro_batch_size, or dist.strategy=ddp")
-    _check(cfg.logger in ("jsonl", "tensorboard"), "logger", cfg.logger, "choose jsonl or tensorboard")
+    _check_loggers(cfg.logger)
     for node in ("model", "data"):
         target = getattr(cfg, node).get("_target_")
         _check(isinstance(target, str) and bool(target), f"{node}._target_", target,

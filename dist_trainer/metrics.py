@@ -8,7 +8,7 @@ import math
 import resource
 import sys
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -156,18 +156,22 @@ def _postfix(record: Dict[str, Any]) -> str:
 
 
 class Outputs:
-    """Every per-step record goes to metrics.jsonl, TensorBoard if asked, and the console."""
+    """Every per-step record goes to metrics.jsonl, TensorBoard if asked, the trackers, and the console."""
 
-    def __init__(self, run_dir: Path, is_main: bool, logger: str, total: int, initial: int, log_every: int):
+    def __init__(self, run_dir: Path, is_main: bool, loggers: List[str], total: int, initial: int, log_every: int,
+                 trackers: Any = None):
         self.jsonl = MetricsWriter(run_dir / "metrics.jsonl" if is_main else None, keep_until=initial)
         self.tensorboard = (TensorBoardWriter(run_dir / "tensorboard", initial)
-                            if is_main and logger == "tensorboard" else None)
+                            if is_main and "tensorboard" in loggers else None)
+        self.trackers = trackers  # tracking.Trackers: W&B, MLflow (rank 0), fed on their own thread
         self.progress = Progress(is_main, total, initial, log_every)
 
     def write(self, record: Dict[str, Any]) -> None:
         self.jsonl.write(record)
         if self.tensorboard is not None:
             self.tensorboard.write(record)
+        if self.trackers is not None:
+            self.trackers.log(record)
         self.progress.update(record)
 
     def close(self) -> None:

@@ -17,9 +17,9 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from torch import nn
 
-from . import checkpoint, distributed, hostmem
+from . import checkpoint, distributed, hostmem, tracking
 from .compiling import CompileWatch, eager_eval
-from .config import BatchPlan, Config, ConfigError, validate
+from .config import BatchPlan, Config, ConfigError, logger_names, validate
 from .data import StepPlan, TrainLoader, build_dataset, eval_loader
 from .distributed import DistEnv
 from .finder import find_micro_batch_size, largest_divisor_at_most, model_trial
@@ -174,7 +174,9 @@ def _train(cfg: Config, plan: BatchPlan, env: DistEnv, run_dir: Path, watch: Wat
         # From the built model: the meta device's first initialisation costs seconds (torch's refs).
         write_plan_json(plan_numbers(cfg, plan, model), run_dir / "plan.json")
     position = resume(parts, plan, env, run_dir, cfg.trainer.seed, cfg.trainer.keep_checkpoints)
-    outputs = Outputs(run_dir, env.is_main, cfg.logger, plan.max_steps, position.step, cfg.trainer.log_every)
+    trackers = start_trackers(cfg, plan, model, run_dir, env.is_main, position.step)
+    outputs = Outputs(run_dir, env.is_main, logger_names(cfg.logger), plan.max_steps, position.step,
+                      cfg.trainer.log_every, trackers)
     stop = StopRequest()
     hosts = stragglers.gather_hosts(env.world_size)
     try:
@@ -185,7 +187,22 @@ def _train(cfg: Config, plan: BatchPlan, env: DistEnv, run_dir: Path, watch: Wat
     watch.begin("final", position.step)
     final = parts.trainer.strategy.full_state_dict()  # every rank takes part; under fsdp rank 0 gets it whole
     save_final_model(final, run_dir, env, position.step, _hf_export(model))
+    trackers.finish(tracking.final_artifacts(run_dir, cfg.logging.hf_model_artifact) if trackers.backends else [])
     return summary
+
+
+def start_trackers(cfg: Config, plan: BatchPlan, model: nn.Module, run_dir: Path, is_main: bool,
+                   resumed_step: int) -> "tracking.Trackers":
+    """W&B and MLflow (logger=[...]), on rank 0: the config as flat keys, the plan's numbers as the summary."""
+    trackers = tracking.build(logger_names(cfg.logger), cfg, run_dir, is_main, resumed_step)
+    if trackers.backends:
+        numbers = plan_numbers(cfg, plan, model)
+        summary = {key: numbers[key] for key in ("world_size", "micro_batch_size", "accum_steps", "global_batch_size",
+                                                 "parameters", "state_mb")}
+        if "block_size" in cfg.data:
+            summary["tokens_per_step"] = plan.global_batch_size * cfg.data["block_size"]
+        trackers.start(tracking.flatten(asdict(cfg)), summary)
+    return trackers
 
 
 def _hf_export(model: nn.Module) -> Optional[Callable[[Dict[str, torch.Tensor], Path], None]]:
