@@ -167,3 +167,20 @@ def test_plan_mode_predicts_a_master_mode_runs_allreduces_and_bytes(tmp_path):
             in plan.stdout), (plan.stdout, steady)
     assert f"({steady['allreduce_bytes']} bytes)" in plan.stdout
     assert steady["allreduces"] >= 2  # half and FP32 buckets apart
+
+
+def test_a_local_multirun_trains_each_point_in_its_own_run_directory(tmp_path):
+    # Hydra's own launcher, no plugin: the points run one after the other in this process, each
+    # creating and destroying its process group (of one) and writing its own run directory.
+    sweep = tmp_path / "sweep"
+    proc = run_module(["-m", "optim.lr=1e-3,3e-4", "trainer.max_steps=2", "optim.warmup_steps=0",
+                       "model.n_layer=1", "trainer.eval_every=0", "trainer.eval_batches=1",
+                       f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (sweep / "multirun.yaml").exists()
+    lrs = []
+    for point in ("0", "1"):
+        records = [json.loads(line) for line in (sweep / point / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records] == [1, 2] and (sweep / point / "final_model.pt").exists()
+        lrs.append(records[0]["lr"])
+    assert lrs == pytest.approx([1e-3, 3e-4], rel=1e-12)
