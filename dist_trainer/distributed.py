@@ -132,19 +132,39 @@ def _torchrun_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (launch/ does): then every rendezvous
     round gets a fresh store, hosted by rank 0 on a new port, and needs no prefix.
     """
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
-    store = dist.TCPStore(host, port, world, is_master=not agent_hosts and rank == 0,
-                          timeout=timeout, multi_tenant=not agent_hosts)
-    if not agent_hosts:
+    host, port = rendezvous_address()
+    prefix = attempt_prefix()
+    store = dist.TCPStore(host, port, world, is_master=prefix is None and rank == 0,
+                          timeout=timeout, multi_tenant=prefix is None)
+    if prefix is None:
         return store  # new for this attempt
     nodes = _int_env("GROUP_WORLD_SIZE", 1)
     if nodes > 1 and _int_env("TORCHELASTIC_MAX_RESTARTS", 0) > 0 and rank == 0:
         log.warning("%d nodes with --max-restarts and torchrun's shared store: a restart can leave nodes in "
                     "different store namespaces and hang. Set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every "
                     "node (launch/ does).", nodes)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"dist_trainer/attempt{attempt}", store)
+    return dist.PrefixStore(prefix, store)
+
+
+def rendezvous_address() -> tuple[str, int]:
+    """Where torchrun's store for this attempt listens (MASTER_ADDR, MASTER_PORT)."""
+    return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+
+
+def launched_by_torchrun() -> bool:
+    return "MASTER_ADDR" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def attempt_prefix() -> Optional[str]:
+    """This attempt's key prefix on torchrun's agent store; None where the store is new in each round.
+
+    The agent's store lives across restarts (see _torchrun_store); a store of
+    rank 0's (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) needs no prefix, and on
+    several nodes the agents' restart counts may differ.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    return f"dist_trainer/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 def set_timeout(seconds: float, groups: list) -> None:

@@ -85,8 +85,7 @@ def train(cfg: Config, run_dir: Path) -> Dict[str, Any]:
         raise ConfigError("batch.micro_batch_size=auto measures GPU memory and needs a CUDA device; "
                           "on CPU set an integer batch.micro_batch_size")
     env = distributed.init(cfg.trainer.device, cfg.dist.init_timeout_s)
-    watch = watchdog.start(cfg.dist.step_timeout_s, cfg.dist.init_timeout_s, cfg.dist.init_timeout_s,
-                           env.rank, env.world_size)
+    watch = watchdog.start(cfg.dist.step_timeout_s, cfg.dist.init_timeout_s, env.rank, env.world_size)
     if cfg.trainer.tune_malloc and env.device.type == "cpu":
         tuned = hostmem.keep_freed_memory()  # before the model and data are allocated
         if env.is_main:
@@ -167,14 +166,16 @@ def _train(cfg: Config, plan: BatchPlan, env: DistEnv, run_dir: Path, watch: Wat
     model = parts.trainer.module
     if cfg.batch.micro_batch_size == "auto":
         plan = choose_micro_batch(cfg, parts, env)
+    numbers: Dict[str, Any] = {}  # plan.json's, on rank 0
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         log.info(startup_report(plan, env, cfg, model, parts.step_plan, run_dir))
         # What every full step's collectives and state will be, for a tool to compare with metrics.jsonl.
         # From the built model: the meta device's first initialisation costs seconds (torch's refs).
-        write_plan_json(plan_numbers(cfg, plan, model), run_dir / "plan.json")
+        numbers = plan_numbers(cfg, plan, model)
+        write_plan_json(numbers, run_dir / "plan.json")
     position = resume(parts, plan, env, run_dir, cfg.trainer.seed, cfg.trainer.keep_checkpoints)
-    trackers = start_trackers(cfg, plan, model, run_dir, env.is_main, position.step)
+    trackers = start_trackers(cfg, plan, numbers, run_dir, env.is_main, position.step)
     outputs = Outputs(run_dir, env.is_main, logger_names(cfg.logger), plan.max_steps, position.step,
                       cfg.trainer.log_every, trackers)
     stop = StopRequest()
@@ -191,12 +192,11 @@ def _train(cfg: Config, plan: BatchPlan, env: DistEnv, run_dir: Path, watch: Wat
     return summary
 
 
-def start_trackers(cfg: Config, plan: BatchPlan, model: nn.Module, run_dir: Path, is_main: bool,
+def start_trackers(cfg: Config, plan: BatchPlan, numbers: Dict[str, Any], run_dir: Path, is_main: bool,
                    resumed_step: int) -> "tracking.Trackers":
-    """W&B and MLflow (logger=[...]), on rank 0: the config as flat keys, the plan's numbers as the summary."""
+    """W&B and MLflow (logger=[...]), on rank 0: the config as flat keys, plan.json's ``numbers`` as the summary."""
     trackers = tracking.build(logger_names(cfg.logger), cfg, run_dir, is_main, resumed_step)
     if trackers.backends:
-        numbers = plan_numbers(cfg, plan, model)
         summary = {key: numbers[key] for key in ("world_size", "micro_batch_size", "accum_steps", "global_batch_size",
                                                  "parameters", "state_mb")}
         if "block_size" in cfg.data:
@@ -300,7 +300,7 @@ def _loop(cfg: Config, parts: Parts, position: Position, outputs: Outputs, stop:
             steps_here += 1
             if steps_here == 1:  # start-up is over: later collectives get dist.timeout_s
                 distributed.set_timeout(cfg.dist.timeout_s, trainer.strategy.groups)
-                watch.collective_timeout_s = cfg.dist.timeout_s
+                watch.training_collectives(cfg.dist.timeout_s)
             position.step, position.step_in_epoch = step, position.step_in_epoch + 1
             position.samples += outcome.samples
             now = time.perf_counter()

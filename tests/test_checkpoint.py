@@ -245,6 +245,11 @@ def digests(root: Path) -> Dict[str, tuple]:
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+def hang_messages(output: str) -> List[str]:
+    """The watchdog's errors shown on the console (health/watchdog.py), in order."""
+    return re.findall(r"\[ERROR\] - (the run hangs: .*)", output)
+
+
 def resumed_from(output: str) -> Optional[str]:
     found = re.findall(r"resuming from (\S+) \(step (\d+)\)", output)
     return found[-1][0] if found else None
@@ -451,7 +456,7 @@ def test_a_stopped_rank_is_named_within_the_step_timeout_and_the_restart_resumes
         result = SimpleNamespace(returncode=job.wait(150), output=job.output())
     assert result.returncode == 0, result.output[-4000:]
     assert ended_after <= HANG_TIMEOUT_S + 30
-    found = re.findall(r"\[ERROR\] - (the run hangs: .*)", result.output)
+    found = hang_messages(result.output)
     assert len(found) == 1, result.output[-4000:]
     assert (f"computing in step {HANG_GATE_STEP} has taken" in found[0]
             and f"(dist.step_timeout_s={HANG_TIMEOUT_S})" in found[0]), found[0]

@@ -35,14 +35,14 @@ from dist_trainer.health import console, stragglers
 from dist_trainer.health import store as shared
 from dist_trainer.health.watchdog import AUTO_FLOOR_S, EXIT_HUNG, Watchdog, is_collective_failure
 from helpers import free_port, regression_config
-from test_checkpoint import JOB2, TINY, Job, gated, metrics, wait_for
+from test_checkpoint import JOB2, TINY, Job, gated, hang_messages, metrics, wait_for
 
 TIMEOUT_S = 10  # dist.step_timeout_s of these runs
 SLACK_S = 30  # the bound: a hang ends the run within dist.step_timeout_s + 30 s
 
 
 def _hang_message(output: str) -> str:
-    found = re.findall(r"\[ERROR\] - (the run hangs: .*)", output)
+    found = hang_messages(output)
     assert len(found) == 1, output[-4000:]  # shown once, by the first rank to get there
     return found[0]
 
@@ -134,7 +134,7 @@ def test_with_the_watchdog_off_a_timed_out_collective_names_itself_and_the_stopp
 # --------------------------------------------------------------------------- the rules on their own
 
 def _watchdog(step_timeout, init_timeout_s=600) -> Watchdog:
-    return Watchdog(step_timeout, init_timeout_s, 0, 1, None, False, init_timeout_s)
+    return Watchdog(step_timeout, init_timeout_s, 0, 1, None, False)
 
 
 def test_auto_allows_the_first_steps_the_init_timeout_then_ten_medians_at_least_the_floor():
@@ -166,6 +166,13 @@ def test_a_number_bounds_every_phase_but_start_up_and_the_final_save_and_zero_tu
     for kind in ("step", "eval", "checkpoint", "check"):
         assert watch.allowance(kind) == (45.0, "dist.step_timeout_s=45")
     assert _watchdog(0).allowance("step") is None and _watchdog(0).allowance("startup") is None
+
+
+def test_the_collective_timeout_is_named_by_the_setting_in_force_even_when_both_are_equal():
+    watch = _watchdog("auto", init_timeout_s=1800)
+    assert watch.collective_timeout == ("dist.init_timeout_s", 1800)
+    watch.training_collectives(1800)  # dist.timeout_s, after the first step: the same number, another key
+    assert watch.collective_timeout == ("dist.timeout_s", 1800)
 
 
 def test_the_main_thread_marks_a_steps_data_wait_then_its_compute():

@@ -36,7 +36,7 @@ import torch
 
 from dist_trainer.models import GPT
 from helpers import free_port
-from test_checkpoint import TINY, Job, ckpt, final_params, gated, metrics, resumed_from, wait_for
+from test_checkpoint import TINY, Job, ckpt, final_params, gated, hang_messages, metrics, resumed_from, wait_for
 
 # Two agents, four workers and a reference process on 2 cores: about 15-30 s. Marked slow to keep the
 # default suite under 12 minutes (tests/test_hsdp.py covers hsdp on 4 spawned ranks there); .ci/run runs it.
@@ -167,7 +167,7 @@ def test_a_stopped_rank_under_two_agents_is_named_and_the_restart_resumes_bit_id
         outputs = a.output() + b.output()
     assert codes == (0, 0), outputs[-6000:]
     assert ended_after <= timeout_s + 30
-    found = set(re.findall(r"\[ERROR\] - (the run hangs: .*)", outputs))
+    found = set(hang_messages(outputs))
     assert found, outputs[-6000:]
     for message in found:  # whichever rank printed it, it names rank 3 and its step
         assert re.search(rf"rank 3 \(host \S+, pid {workers[3]}\) did not respond: stopped, or frozen whole; "

@@ -23,15 +23,12 @@ import sys
 import time
 from typing import List, Optional
 
+from .. import distributed
 from . import store as shared
 
 log = logging.getLogger("dist_trainer")
 _HIDDEN: List[logging.Handler] = []  # console handlers taken off ranks other than 0
 PRINTED_WAIT_S = 30.0  # how long the other ranks wait for the first one to print
-
-
-def _rank() -> int:
-    return int(os.environ.get("RANK", 0))
 
 
 def _is_console(handler: logging.Handler) -> bool:
@@ -40,7 +37,7 @@ def _is_console(handler: logging.Handler) -> bool:
 
 def console_on_main_only() -> None:
     """Ranks other than 0 keep their own log file but stay off the console (kept, for ``show_error``)."""
-    if _rank() != 0:
+    if distributed.rank() != 0:
         root = logging.getLogger()
         for handler in [h for h in root.handlers if _is_console(h)]:
             root.removeHandler(handler)
@@ -84,14 +81,13 @@ def record_for_torchrun(kind: str, message: str) -> None:
     time.sleep(int(now) + 1 - now + 0.01)  # see the module's docstring: the cause must be the earliest
 
 
-def report_error(kind: str, message: str, store: Optional[object] = None, name: str = "error",
-                 printed: Optional[str] = None) -> None:
+def report_error(kind: str, message: str, printed: Optional[str] = None) -> None:
     """The whole error path of one rank: print if first, record for torchrun, let the first one finish.
 
     ``printed``: text to write to stderr instead of logging ``message`` (Hydra's own output).
     """
-    store = store if store is not None else shared.connect()
-    first = shared.first_to_claim(store, name, fallback=_rank() == 0)
+    store, name = shared.connect(), "error"
+    first = shared.first_to_claim(store, name, fallback=distributed.rank() == 0)
     if printed is None:
         show_error(message, on_console=first)
     elif first:

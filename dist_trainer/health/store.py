@@ -21,27 +21,26 @@ from typing import Dict, List, Optional
 
 import torch.distributed as dist
 
+from .. import distributed
+
 STORE_TIMEOUT_S = 5.0  # any one store operation; the store is local to the node or one hop away
 
 
 def connect(timeout_s: float = STORE_TIMEOUT_S) -> Optional[dist.Store]:
     """This attempt's namespace in torchrun's store; None outside torchrun or when it does not answer.
 
-    As for the process group's store (distributed._torchrun_store): the agent's
-    store lives across restarts, so it is keyed on the restart count; a store of
-    rank 0's (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) is new in every rendezvous
-    round and needs no key, and on several nodes their counts may differ.
+    The namespace is the process group's (distributed.attempt_prefix): an
+    elastic restart starts with no notes of the attempt before it.
     """
-    if "MASTER_ADDR" not in os.environ or "TORCHELASTIC_RUN_ID" not in os.environ:
+    if not distributed.launched_by_torchrun():
         return None
+    host, port = distributed.rendezvous_address()
     try:
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s),
+                              wait_for_workers=False)
     except (RuntimeError, ValueError):  # DistStoreError / DistNetworkError are RuntimeErrors
         return None
-    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if agent_hosts else "-"
-    return dist.PrefixStore(f"dist_trainer/attempt{attempt}/health", store)
+    return dist.PrefixStore(f"{distributed.attempt_prefix() or 'dist_trainer'}/health", store)
 
 
 def first_to_claim(store: Optional[dist.Store], name: str, fallback: bool) -> bool:

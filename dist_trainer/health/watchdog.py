@@ -51,6 +51,7 @@ from typing import Deque, Dict, List, Optional, Union
 
 import torch.distributed as dist
 
+from .. import distributed
 from . import store as shared
 from .console import record_for_torchrun, show_error
 
@@ -87,11 +88,12 @@ class Watchdog:
     """One per rank, from the process group's start to the run's end."""
 
     def __init__(self, step_timeout: Union[str, float], init_timeout_s: float, rank: int, world_size: int,
-                 store: Optional[dist.Store], shared_store: bool, collective_timeout_s: float):
+                 store: Optional[dist.Store], shared_store: bool):
         self.step_timeout, self.init_timeout_s = step_timeout, float(init_timeout_s)
         self.rank, self.world_size = rank, world_size
         self.store, self.shared_store = store, shared_store
-        self.collective_timeout_s = collective_timeout_s  # the process group's, as it is now
+        # The process groups' timeout as it is now, and the setting it comes from (training_collectives).
+        self.collective_timeout = ("dist.init_timeout_s", self.init_timeout_s)
         self.phase = Phase("startup", 1, time.monotonic())
         self.durations: Dict[str, Deque[float]] = {}
         self._lock = threading.Lock()  # one hang report per process, from the thread or the main thread
@@ -121,6 +123,10 @@ class Watchdog:
         """The step's micro-batches are here: from now on it computes (and waits in collectives)."""
         self.phase.detail = "compute"
 
+    def training_collectives(self, timeout_s: float) -> None:
+        """The first step is over: the process groups now time out after dist.timeout_s."""
+        self.collective_timeout = ("dist.timeout_s", float(timeout_s))
+
     def close(self) -> None:
         self._closed.set()
 
@@ -130,14 +136,13 @@ class Watchdog:
         """(seconds the phase may run before it counts as a hang, the setting that says so); None: no limit."""
         if self.step_timeout == 0:
             return None
-        warmup = (self.init_timeout_s, f"dist.init_timeout_s={self.init_timeout_s:g}, until it has been timed")
         if kind in ("startup", "final"):  # once per attempt, like loading: the final model's gather and save
             return self.init_timeout_s, f"dist.init_timeout_s={self.init_timeout_s:g}"
         if self.step_timeout != "auto":
             return float(self.step_timeout), f"dist.step_timeout_s={self.step_timeout}"
         times = list(self.durations.get(kind, ()))
         if len(times) < (WARMUP_STEPS if kind == "step" else 1):
-            return warmup
+            return self.init_timeout_s, f"dist.init_timeout_s={self.init_timeout_s:g}, until it has been timed"
         median = statistics.median(times)
         return (max(AUTO_FLOOR_S, AUTO_FACTOR * median),
                 f"dist.step_timeout_s=auto: {AUTO_FACTOR:g} x its median {median:.3g} s, at least {AUTO_FLOOR_S:g} s")
@@ -174,9 +179,9 @@ class Watchdog:
     def collective_failed(self, err: BaseException) -> None:
         """A collective timed out (or a peer's connection closed) in the main thread: report it as a hang."""
         waited = re.search(r"[Tt]imed out waiting (\d+)ms", str(err))
-        how = (f"timed out after {int(waited.group(1)) / 1000:.0f} s (the collective timeout: "
-               f"{'dist.init_timeout_s' if self.collective_timeout_s == self.init_timeout_s else 'dist.timeout_s'}"
-               f"={self.collective_timeout_s:.0f})") if waited else f"failed ({str(err).splitlines()[0][:200]})"
+        key, seconds = self.collective_timeout
+        how = (f"timed out after {int(waited.group(1)) / 1000:.0f} s (the collective timeout: {key}={seconds:.0f})"
+               if waited else f"failed ({str(err).splitlines()[0][:200]})")
         self.hang(f"a collective {how} while {self.phase.describe()}, in {_where(err)}")
 
     def hang(self, cause: str) -> None:
@@ -185,7 +190,7 @@ class Watchdog:
             phase = self.phase
             findings = self._ask_everyone(phase)
             message = f"the run hangs: {cause}. {findings}"
-            _dump_stacks(message)
+            _dump_stacks(message, self.rank)
             first = shared.first_to_claim(self.store, "hang", fallback=True)
             show_error(message, on_console=first)
             record_for_torchrun("HangError", message)
@@ -202,8 +207,8 @@ class Watchdog:
         try:
             answers, beats = self._gather(phase)
         except RuntimeError as err:
-            where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-            return (f"torchrun's store at {where} did not answer ({err}): if rank 0 hosts it "
+            host, port = distributed.rendezvous_address()
+            return (f"torchrun's store at {host}:{port} did not answer ({err}): if rank 0 hosts it "
                     "(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), rank 0 is likely the one that stopped. " + _AFTER)
         return self._findings(answers, beats) + ". " + _AFTER
 
@@ -278,10 +283,10 @@ def _where(err: BaseException) -> str:
     return f"{call}, called from {Path(line.filename).name}:{line.lineno} {line.name}: `{line.line}`"
 
 
-def _dump_stacks(message: str) -> None:
+def _dump_stacks(message: str, rank: int) -> None:
     """Every thread's Python stack into this rank's log files (stderr if it has none)."""
     files = [h.baseFilename for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
-    show_error(f"{message}\nthe stacks of every thread of rank {os.environ.get('RANK', 0)} follow:",
+    show_error(f"{message}\nthe stacks of every thread of rank {rank} follow:",
                on_console=False)
     for handler in logging.getLogger().handlers:
         handler.flush()
@@ -302,11 +307,10 @@ def is_collective_failure(err: BaseException) -> bool:
         s in text for s in ("Timed out", "timed out", "Connection closed by peer", "Connection reset by peer"))
 
 
-def start(step_timeout: Union[str, float], init_timeout_s: float, collective_timeout_s: float,
-          rank: int, world_size: int) -> Watchdog:
+def start(step_timeout: Union[str, float], init_timeout_s: float, rank: int, world_size: int) -> Watchdog:
     """The watchdog of this rank, on torchrun's store (an in-process one for a group of one)."""
     store = shared.connect()
     shared_store = store is not None
     if store is None and world_size == 1:
         store = dist.HashStore()
-    return Watchdog(step_timeout, init_timeout_s, rank, world_size, store, shared_store, collective_timeout_s)
+    return Watchdog(step_timeout, init_timeout_s, rank, world_size, store, shared_store)

@@ -7,7 +7,7 @@ metrics.jsonl stays the source of truth; a tracker gets a copy of it:
   values;
 - every metrics.jsonl record, each field a metric at its optimizer step;
 - at the end, the report's PNGs (and ``hf_model/`` with
-  ``logging.artifacts.hf_model=true``) as artifacts.
+  ``logging.hf_model_artifact=true``) as artifacts.
 
 Rank 0 alone tracks, on a thread of its own: a slow or unreachable server
 never holds up a step. A backend that fails is warned about once and dropped;
@@ -81,7 +81,6 @@ class Trackers:
         self.state = _read_state(run_dir) if resumed_step else {}
         # A resumed run repeats the steps after its checkpoint: those a backend already took are not sent twice.
         self.logged = {b.name: self.state.get(b.name, {}).get("logged_through", 0) for b in backends}
-        self.resumed_step = resumed_step
         self._queue: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
         self._thread = threading.Thread(target=self._drain, name="dist_trainer-tracking", daemon=True)
         if backends:
@@ -130,7 +129,7 @@ class Trackers:
             work()
 
     def _open(self, backend: Backend, flat_config: Dict[str, Any], summary: Dict[str, Any]) -> None:
-        previous = self.state.get(backend.name, {}).get("id") if self.resumed_step else None
+        previous = self.state.get(backend.name, {}).get("id")  # none unless resumed (see __init__)
         run_id = backend.start(previous)
         self.state.setdefault(backend.name, {})["id"] = run_id
         _write_state(self.run_dir, self.state)
