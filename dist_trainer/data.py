@@ -34,7 +34,7 @@ from hydra.utils import instantiate
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .config import LOADER_KEYS, BatchPlan, Config, ConfigError
-from .signals import STOP_SIGNALS
+from .signals import stop_signals
 
 # One optimizer step on one rank: its micro-batches, each a list of dataset
 # indices; an empty list is a placeholder that contributes nothing.
@@ -273,7 +273,7 @@ def _ignore_stop_signals(worker_id: int) -> None:
     the main process ("DataLoader worker exited unexpectedly") before it could
     write its checkpoint.
     """
-    for sig in (*STOP_SIGNALS, signal.SIGINT):
+    for sig in (*stop_signals(), signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
 
 

@@ -151,8 +151,27 @@ def rendezvous_address() -> tuple[str, int]:
     return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
 
 
-def launched_by_torchrun() -> bool:
-    return "MASTER_ADDR" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ
+def has_rendezvous_store() -> bool:
+    """Whether the ranks meet at a TCP store (torchrun's, or rank 0's under submitit) that a client can reach."""
+    return "MASTER_ADDR" in os.environ and "RANK" in os.environ
+
+
+def adopt_submitit_task() -> None:
+    """A task of a submitit job (``hydra/launcher=submitit_slurm`` or ``submitit_local``) is a rank.
+
+    submitit starts one process per task, with Slurm's numbering (or its local
+    executor's) and no torchrun: its own helper says it in torchrun's words
+    (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, and a
+    MASTER_PORT drawn from the job id, the same on every task and again after a
+    requeue). Rank 0 then hosts the store, as under a multi-node torchrun.
+    Called before Hydra configures logging, which names each rank's log file.
+    CUDA_VISIBLE_DEVICES is left alone: LOCAL_RANK picks the GPU, as under torchrun.
+    """
+    if os.environ.get("SUBMITIT_EXECUTOR") not in ("slurm", "local") or "RANK" in os.environ:
+        return
+    from submitit.helpers import TorchDistributedEnvironment
+
+    TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
 
 
 def attempt_prefix() -> Optional[str]:

@@ -322,7 +322,7 @@ def _loop(cfg: Config, parts: Parts, position: Position, outputs: Outputs, stop:
                 check_consistency(trainer.consistency_tensors(), step)
             if outcome.stop_requested and not last:  # at the last step, just finish
                 raise Preempted(f"step {step}: stop requested by a signal; checkpoint written, "
-                                "start again in the same run directory to resume")
+                                "start again in the same run directory to resume", stop.signum)
             tick = time.perf_counter()  # evaluation and checkpoint time is not step time
             if last:
                 break

@@ -230,6 +230,7 @@ def test_only_the_first_rank_to_claim_prints_and_the_others_wait_for_it(monkeypa
     server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "claims")
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     first, second = shared.connect(), shared.connect()

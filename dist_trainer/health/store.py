@@ -7,8 +7,9 @@ leave and read notes there: "I am rank 3 on host h, pid p", "I began step
 41", "rank 0 says the run hangs", "rank 1 has printed the error". Every
 client here has its own short timeout, so a store that does not answer (a
 multi-node launch whose store lives in rank 0, and rank 0 stopped) costs
-seconds, not the job. Outside torchrun there is no shared store; a group of
-one gets an in-process one, so the code path stays the same.
+seconds, not the job. Under submitit (Slurm sweeps) rank 0 hosts the store, as
+on a multi-node torchrun. A plain process has no shared store; a group of one
+gets an in-process one, so the code path stays the same.
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ STORE_TIMEOUT_S = 5.0  # any one store operation; the store is local to the node
 
 
 def connect(timeout_s: float = STORE_TIMEOUT_S) -> Optional[dist.Store]:
-    """This attempt's namespace in torchrun's store; None outside torchrun or when it does not answer.
+    """This attempt's namespace in the ranks' store; None without one (a plain process) or when it does not answer.
 
     The namespace is the process group's (distributed.attempt_prefix): an
     elastic restart starts with no notes of the attempt before it.
     """
-    if not distributed.launched_by_torchrun():
+    if not distributed.has_rendezvous_store():
         return None
     host, port = distributed.rendezvous_address()
     try:

@@ -265,7 +265,7 @@ class Watchdog:
 
 _AFTER = ("Every rank that responded wrote its threads' stacks into its log (rank<N>.log in the run "
           f"directory). The run stops (exit {EXIT_HUNG}); with torchrun --max-restarts it starts again "
-          "from the newest checkpoint")
+          "from the newest checkpoint (a submitit sweep: run it again to resume)")
 
 
 def _ranks(ranks: List[int]) -> str:
