@@ -25,13 +25,13 @@ from __future__ import annotations
 import hashlib
 import math
 import signal
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from .config import LOADER_KEYS, BatchPlan, Config, ConfigError
 from .signals import stop_signals
@@ -238,7 +238,8 @@ class TrainLoader:
         workers = {"persistent_workers": True, "prefetch_factor": prefetch_factor or 2} if num_workers else {}
         self.loader = DataLoader(_Keyed(dataset, step_plan.seed, step_plan.rank), batch_sampler=self.sampler,
                                  num_workers=num_workers, pin_memory=pin_memory, worker_init_fn=_ignore_stop_signals,
-                                 generator=_own_generator(step_plan.seed, step_plan.rank), **workers)
+                                 generator=_own_generator(step_plan.seed, step_plan.rank),
+                                 collate_fn=collate_of(dataset), **workers)
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[tuple[Window, List[Any]]]:
         """Yield (window, its collated micro-batches) for each remaining step of ``epoch``."""
@@ -262,7 +263,13 @@ def eval_loader(dataset: Dataset, micro_batch_size: int, max_batches: int, rank:
     indices = list(range(rank, count, world_size))  # no padding: nothing counted twice
     batches = [indices[i:i + micro_batch_size] for i in range(0, len(indices), micro_batch_size)]
     return DataLoader(dataset, batch_sampler=batches, num_workers=num_workers, generator=_own_generator(-1, rank),
-                      worker_init_fn=_ignore_stop_signals, persistent_workers=num_workers > 0)
+                      worker_init_fn=_ignore_stop_signals, persistent_workers=num_workers > 0,
+                      collate_fn=collate_of(dataset))
+
+
+def collate_of(dataset: Dataset) -> Callable[[List[Any]], Any]:
+    """The dataset's own ``collate`` (samples of different lengths, e.g. data=hf_chat pads), else PyTorch's."""
+    return getattr(dataset, "collate", None) or default_collate
 
 
 def _ignore_stop_signals(worker_id: int) -> None:

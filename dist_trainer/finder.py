@@ -20,9 +20,10 @@ from typing import Callable, List
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import Dataset
 
 from .checkpoint import capture_rng, restore_rng
+from .data import collate_of
 
 log = logging.getLogger("dist_trainer")
 
@@ -75,7 +76,7 @@ def model_trial(model: nn.Module, dataset: Dataset, autocast: Callable, optimize
         rng = capture_rng(device)  # python, numpy and torch: the dataset's transforms draw too
         try:
             ballast = [torch.empty_like(p) for p in optimizer_params for _ in range(states_per_param)]
-            batch = default_collate([dataset[i % len(dataset)] for i in range(size)])
+            batch = collate_of(dataset)([dataset[i % len(dataset)] for i in range(size)])
             batch = {k: v.to(device) for k, v in batch.items()} if isinstance(batch, dict) else batch.to(device)
             with autocast():
                 output = model(batch)

@@ -16,7 +16,7 @@ import torch
 
 from dist_trainer.config import ConfigError
 from dist_trainer.hf import text as hf_text_module
-from dist_trainer.hf.text import build_cache, cache_key, cache_root, hf_text, resolve_files
+from dist_trainer.hf.text import _tokenize, build_cache, cache_key, cache_root, hf_text, resolve_files
 from dist_trainer.hf.tokenizer import TextTokenizer, load_tokenizer
 from dist_trainer.prepare import held_out
 from helpers import run_ranks
@@ -268,17 +268,18 @@ def test_a_cache_renamed_first_by_another_process_is_kept(tmp_path, monkeypatch)
     tok, sources = load_tokenizer("bytes"), resolve_files([str(path)], None)
     directory = tmp_path / "hf_text" / cache_key(sources, tok, "text", 0.0)
     encode, outcomes = TextTokenizer.encode_batch, []
+    write_tokens = lambda tmp: _tokenize(tmp, sources, tok, "text", 0.0, progress=False)  # noqa: E731
 
     def racing(self, docs):  # while this build tokenizes, another one finishes
         if not outcomes:
             outcomes.append(None)
-            outcomes.append(build_cache(directory, sources, tok, "text", 0.0))
+            outcomes.append(build_cache(directory, write_tokens))
         return encode(self, docs)
 
     monkeypatch.setattr(TextTokenizer, "encode_batch", racing)
-    assert build_cache(directory, sources, tok, "text", 0.0) == "theirs" and outcomes[1] == "written"
+    assert build_cache(directory, write_tokens) == "theirs" and outcomes[1] == "written"
     assert sorted(p.name for p in directory.parent.iterdir()) == [directory.name]  # no temporary left
-    assert build_cache(directory, sources, tok, "text", 0.0) == "reused"
+    assert build_cache(directory, write_tokens) == "reused"
 
 
 def test_default_cache_location(monkeypatch, tmp_path):

@@ -38,7 +38,7 @@ def save_pretrained(module: torch.nn.Module, state: Dict[str, torch.Tensor], out
         if module.tokenizer_spec:
             from .tokenizer import load_tokenizer
 
-            load_tokenizer(module.tokenizer_spec).save(tmp)
+            load_tokenizer(module.tokenizer_spec, chat_template=module.chat_template).save(tmp)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

@@ -40,11 +40,12 @@ class HFModel(nn.Module):
     """
 
     def __init__(self, model: nn.Module, task: str, tokenizer: Optional[str] = None,
-                 block_size: Optional[int] = None):
+                 block_size: Optional[int] = None, chat_template: Optional[str] = None):
         super().__init__()
         self.model = model
         self.task = task
         self.tokenizer_spec = tokenizer  # written beside the weights on export
+        self.chat_template = chat_template  # data=hf_chat's choice: the exported tokenizer carries the template
         self.block_size = block_size
         self.name = f"{type(model).__name__} ({model.config.model_type}, transformers)"  # for the start-up log
         self.items_are_tokens = task == "causal_lm"  # a masked LM's items are its masked tokens only
@@ -94,12 +95,13 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> Dict[str, torch.Te
 
 def hf_model(task: str = "causal_lm", model_type: Optional[str] = None, config: Optional[Dict[str, Any]] = None,
              pretrained: Optional[str] = None, tokenizer: Optional[str] = None, block_size: Optional[int] = None,
-             attn_implementation: Optional[str] = "sdpa") -> HFModel:
+             attn_implementation: Optional[str] = "sdpa", chat_template: Optional[str] = None) -> HFModel:
     """Build the model: from ``model_type`` and ``config`` (random weights), or from a local ``pretrained`` dir.
 
     ``model.config.vocab_size`` (and the eos and pad ids) follow ``tokenizer``
-    (the data's) unless ``config`` sets them; ``block_size`` (the data's) must
-    fit the model's positions.
+    (the data's, with the tokens ``chat_template`` adds for data=hf_chat)
+    unless ``config`` sets them; ``block_size`` (the data's) must fit the
+    model's positions.
     """
     if task not in TASKS:
         raise ConfigError(f"model.task={task!r}: choose one of {sorted(TASKS)}")
@@ -108,17 +110,22 @@ def hf_model(task: str = "causal_lm", model_type: Optional[str] = None, config: 
     except ImportError as err:
         raise ConfigError("model=hf_causal_lm / hf_masked_lm need transformers: pip install 'dist_trainer[hf]'") from err
     overrides = dict(config or {})
-    overrides.update(_from_tokenizer(tokenizer, overrides))
+    overrides.update(_from_tokenizer(tokenizer, overrides, chat_template))
     auto = getattr(transformers, TASKS[task])
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
     if pretrained:
         if pretrained.startswith(("/", "./", "../", "~")) and not Path(pretrained).expanduser().exists():
             raise ConfigError(f"model.pretrained={pretrained}: no such directory")
+        # The saved weights fix the vocabulary: a tokenizer with more ids (a chat template's markers)
+        # gets rows added after loading, not a configuration that does not fit the weights.
+        vocab = None if "vocab_size" in (config or {}) else overrides.pop("vocab_size", None)
         try:
             model = auto.from_pretrained(str(Path(pretrained).expanduser()) if pretrained.startswith("~") else pretrained,
                                          dtype=torch.float32, **extra, **overrides)
         except (OSError, ValueError) as err:
             raise ConfigError(f"model.pretrained={pretrained}: cannot be loaded ({err})") from err
+        if vocab is not None and vocab > model.config.vocab_size:
+            model.resize_token_embeddings(vocab, mean_resizing=True)  # new rows: the mean of the others
     else:
         if not model_type:
             raise ConfigError("model.model_type is not set: name a transformers model type (e.g. gpt2, llama, "
@@ -130,7 +137,7 @@ def hf_model(task: str = "causal_lm", model_type: Optional[str] = None, config: 
             raise ConfigError(f"model.model_type={model_type}: transformers has no {TASKS[task]} for it "
                               f"({err})") from err
     _check_positions(model.config, block_size)
-    return HFModel(model, task, tokenizer, block_size)
+    return HFModel(model, task, tokenizer, block_size, chat_template)
 
 
 def _config(transformers: Any, model_type: str, overrides: Dict[str, Any]) -> Any:
@@ -150,13 +157,13 @@ def _config(transformers: Any, model_type: str, overrides: Dict[str, Any]) -> An
         raise ConfigError(f"model.config: {err}") from err
 
 
-def _from_tokenizer(spec: Optional[str], config: Dict[str, Any]) -> Dict[str, Any]:
+def _from_tokenizer(spec: Optional[str], config: Dict[str, Any], chat_template: Optional[str]) -> Dict[str, Any]:
     """vocab_size and the special token ids from the data's tokenizer, where model.config leaves them unset."""
     if not spec:
         return {}
     from .tokenizer import load_tokenizer
 
-    tok = load_tokenizer(spec)
+    tok = load_tokenizer(spec, chat_template=chat_template)
     if "vocab_size" in config and config["vocab_size"] < tok.vocab_size:
         raise ConfigError(f"model.config.vocab_size={config['vocab_size']} is smaller than the vocabulary of "
                           f"data.tokenizer={spec} ({tok.vocab_size} ids): raise it, or leave it unset to follow "

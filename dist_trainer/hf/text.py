@@ -52,6 +52,7 @@ EXTRA = {"text": {"sample_by": "paragraph"}, "csv": {"na_filter": False}}
 TASKS = ("causal_lm", "masked_lm")
 BATCH_DOCS = 1000  # documents per encode_batch call
 CACHE_VERSION = 1  # part of the key: a change to the files' layout builds new caches
+OUTCOMES = {"reused": "reused", "written": "wrote", "theirs": "another process wrote first; using"}  # build_cache's
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,8 @@ def resolve_files(files: Sequence[str], format: Optional[str], names: Names = Na
     return sources
 
 
-def _load(path: Path, fmt: str, cache_dir: Path, names: Names) -> Any:
+def load_table(path: Path, fmt: str, cache_dir: Path, names: Names = Names()) -> Any:
+    """One file as a datasets table; a malformed file is a ConfigError naming it."""
     import datasets
 
     quiet = datasets.are_progress_bars_disabled()
@@ -99,7 +101,7 @@ def read_documents(sources: Sources, text_key: str, cache_dir: Path,
                    names: Names = Names()) -> Iterator[List[str]]:
     """Batches of non-empty documents, file by file, in order."""
     for path, fmt in sources:
-        table = _load(path, fmt, cache_dir, names)
+        table = load_table(path, fmt, cache_dir, names)
         column = "text" if fmt == "text" else text_key
         if column not in table.column_names:
             raise ConfigError(f"{names.text_key}={text_key!r}: {path} has no such column "
@@ -162,9 +164,11 @@ def _tokenize(out: Path, sources: Sources, tok: TextTokenizer, text_key: str,
             "written_by": {"host": socket.gethostname(), "pid": os.getpid(), "rank": _global_rank()}}
 
 
-def build_cache(directory: Path, sources: Sources, tok: TextTokenizer, text_key: str,
-                val_fraction: float, progress: bool = False) -> str:
-    """Tokenize into ``directory`` unless it is there: 'reused', 'written', or 'theirs' (another process won)."""
+def build_cache(directory: Path, write: Callable[[Path], Dict[str, Any]]) -> str:
+    """``write(tmp)`` into ``directory`` unless it is there: 'reused', 'written', or 'theirs' (another process won).
+
+    ``write`` fills a fresh directory and returns the meta written beside its files.
+    """
     if (directory / "meta.json").is_file():
         return "reused"
     # Beside the target, a name of its own: processes of several nodes sharing one file
@@ -172,7 +176,7 @@ def build_cache(directory: Path, sources: Sources, tok: TextTokenizer, text_key:
     tmp = directory.parent / f".{directory.name}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     try:
-        meta = _tokenize(tmp, sources, tok, text_key, val_fraction, progress)
+        meta = write(tmp)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         try:
             os.rename(tmp, directory)  # atomic: the cache is complete, or not there
@@ -317,10 +321,10 @@ def hf_text(files: Sequence[str], block_size: int, tokenizer: str = "bytes", for
         directory = cache_root(cache_dir) / "hf_text" / cache_key(sources, tok, text_key, val_fraction)
         if builds:
             directory.parent.mkdir(parents=True, exist_ok=True)
-            outcome = build_cache(directory, sources, tok, text_key, val_fraction, progress=_global_rank() == 0)
+            outcome = build_cache(directory, lambda tmp: _tokenize(tmp, sources, tok, text_key, val_fraction,
+                                                                   progress=_global_rank() == 0))
             if outcome != "reused" or split == "train":  # the val split, built right after, says nothing new
-                log.info("hf_text: %s the tokenized cache %s", {"reused": "reused", "written": "wrote",
-                         "theirs": "another process wrote first; using"}[outcome], directory)
+                log.info("hf_text: %s the tokenized cache %s", OUTCOMES[outcome], directory)
         return tok, directory
 
     tok, directory = agreed(prepare)

@@ -53,11 +53,19 @@ def _first_id(tok: Tokenizer, names: Sequence[str]) -> Optional[int]:
     return next((tok.token_to_id(n) for n in names if tok.token_to_id(n) is not None), None)
 
 
-class TextTokenizer:
-    """A ``tokenizers.Tokenizer`` with the ids a language model needs."""
+# The chat template of a tokenizer that has none (data=hf_chat, data.chat_template=auto|default):
+# ChatML, with its two markers added to the vocabulary as special tokens.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+DEFAULT_CHAT_TOKENS = ["<|im_start|>", "<|im_end|>"]
 
-    def __init__(self, tok: Tokenizer, spec: str, key: str = "data.tokenizer"):
-        self.tok, self.spec = tok, spec
+
+class TextTokenizer:
+    """A ``tokenizers.Tokenizer`` with the ids a language model needs (and, for chat data, its template)."""
+
+    def __init__(self, tok: Tokenizer, spec: str, key: str = "data.tokenizer", chat_template: Optional[str] = None):
+        self.tok, self.spec, self.chat_template = tok, spec, chat_template
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self.eos_id = _first_id(tok, EOS_NAMES)
         if self.eos_id is None:
@@ -93,25 +101,64 @@ class TextTokenizer:
         # PreTrainedTokenizerFast wraps tokenizer.json as it is; without this it would guess
         # a class from a model type it does not have.
         config = {"tokenizer_class": "PreTrainedTokenizerFast", **specials}
+        if self.chat_template:  # generation with the exported model renders prompts as training did
+            config["chat_template"] = self.chat_template
         (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
         (out / "special_tokens_map.json").write_text(json.dumps(specials, indent=1) + "\n")
         return out
 
 
-def load_tokenizer(spec: str, key: str = "data.tokenizer") -> TextTokenizer:
-    """``bytes``, a tokenizer.json, or a directory holding one; errors name ``key``."""
+def load_tokenizer(spec: str, key: str = "data.tokenizer", chat_template: Optional[str] = None) -> TextTokenizer:
+    """``bytes``, a tokenizer.json, or a directory holding one; errors name ``key``.
+
+    ``chat_template`` (data=hf_chat's ``data.chat_template``): ``auto``, the
+    tokenizer's own (``chat_template`` in its directory's tokenizer_config.json,
+    or chat_template.jinja) or else the default; ``default``, DEFAULT_CHAT_TEMPLATE;
+    or a path to a Jinja file. The default adds its markers as special tokens,
+    so the vocabulary (and the model's, which follows it) grows by two.
+    """
     if spec == "bytes":
-        return TextTokenizer(_bytes_tokenizer(), spec, key)
-    path = Path(str(spec)).expanduser()
-    if path.is_dir():
-        path = path / "tokenizer.json"
+        tok, own = _bytes_tokenizer(), None
+    else:
+        path = Path(str(spec)).expanduser()
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        if not path.is_file():
+            raise ConfigError(f"{key}={spec}: no such file; give bytes, a tokenizer.json, or a directory holding one")
+        try:
+            tok = Tokenizer.from_file(str(path))
+        except Exception as err:  # the library raises plain Exception for a bad file
+            raise ConfigError(f"{key}={spec}: {path} cannot be read as a tokenizers file ({err})") from err
+        own = _own_chat_template(path.parent)
+    template = None
+    if chat_template is not None:
+        template = _chat_template(chat_template, own)
+        if template == DEFAULT_CHAT_TEMPLATE:
+            tok.add_special_tokens([t for t in DEFAULT_CHAT_TOKENS if tok.token_to_id(t) is None])
+    return TextTokenizer(tok, str(spec), key, template)
+
+
+def _own_chat_template(directory: Path) -> Optional[str]:
+    """The template a save_pretrained directory carries (transformers writes either file)."""
+    if (directory / "chat_template.jinja").is_file():
+        return (directory / "chat_template.jinja").read_text()
+    config = directory / "tokenizer_config.json"
+    if config.is_file():
+        template = json.loads(config.read_text()).get("chat_template")
+        if isinstance(template, str):
+            return template
+    return None
+
+
+def _chat_template(choice: str, own: Optional[str]) -> str:
+    if choice == "auto":
+        return own or DEFAULT_CHAT_TEMPLATE
+    if choice == "default":
+        return DEFAULT_CHAT_TEMPLATE
+    path = Path(choice).expanduser()
     if not path.is_file():
-        raise ConfigError(f"{key}={spec}: no such file; give bytes, a tokenizer.json, or a directory holding one")
-    try:
-        tok = Tokenizer.from_file(str(path))
-    except Exception as err:  # the library raises plain Exception for a bad file
-        raise ConfigError(f"{key}={spec}: {path} cannot be read as a tokenizers file ({err})") from err
-    return TextTokenizer(tok, str(spec), key)
+        raise ConfigError(f"data.chat_template={choice}: choose auto, default, or the path of a Jinja template file")
+    return path.read_text()
 
 
 def train_bpe(batches: Iterable[List[str]], vocab_size: int, min_frequency: int = 2) -> TextTokenizer:
