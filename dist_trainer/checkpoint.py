@@ -146,6 +146,29 @@ def _save_file(obj: Any, path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def frozen_digest(model: torch.nn.Module) -> Optional[str]:
+    """sha256 of the frozen parameters, by name (None if every parameter trains).
+
+    Checkpoints leave frozen parameters out (a LoRA model's base) and record
+    this instead: a resume or an export on a different base is refused.
+    """
+    frozen = sorted((name, p) for name, p in model.named_parameters() if not p.requires_grad)
+    if not frozen:
+        return None
+    digest = hashlib.sha256()
+    for name, p in frozen:
+        digest.update(name.encode())
+        digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def check_frozen(saved: Optional[str], built: Optional[str], where: Path) -> None:
+    if saved != built:
+        raise CheckpointError(f"{where} was trained on other frozen weights (sha256 {saved}) than this model's "
+                              f"(sha256 {built}): set model.pretrained (and model.lora) as the run that wrote it "
+                              "did, or start a new run directory")
+
+
 def sha256_file(path: Path) -> str:
     """The sha256 of a file, read in 1 MiB blocks."""
     digest = hashlib.sha256()

@@ -151,7 +151,7 @@ class ModelWeights:
         return _fp32_copy(model.state_dict())
 
     def load_fp32_state_dict(self, model: nn.Module, state: Dict[str, torch.Tensor]) -> None:
-        model.load_state_dict(state)
+        load_trained(model, state)
 
 
 class MasterWeights:
@@ -228,10 +228,23 @@ class MasterWeights:
 
     @torch.no_grad()
     def load_fp32_state_dict(self, model: nn.Module, state: Dict[str, torch.Tensor]) -> None:
-        model.load_state_dict(state)  # half parameters: rounded copies
+        load_trained(model, state)  # half parameters: rounded copies
         for name, p in model.named_parameters():
             if p in self.master_of:
                 self.master_of[p].copy_(state[name])  # masters: exact
+
+
+def frozen_names(model: nn.Module) -> set:
+    """The state-dict names of the parameters that do not train (a LoRA model's base weights)."""
+    return {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
+def load_trained(model: nn.Module, state: Dict[str, torch.Tensor]) -> None:
+    """Load ``state``, which may leave out frozen parameters (checkpoints do): they keep the values they were built with."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    absent = sorted(set(missing) - frozen_names(model))
+    if absent or unexpected:
+        raise RuntimeError(f"the saved model does not fit this one: missing {absent[:5]}, unexpected {unexpected[:5]}")
 
 
 def _fp32_copy(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

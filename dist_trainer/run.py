@@ -115,6 +115,8 @@ class Parts:
     train_set: Any
     eval_set: Any
     model_config: Dict[str, Any]  # cfg.model, resolved
+    frozen: Optional[str] = None  # checkpoint.frozen_digest of the model as built: what checkpoints leave out
+    model_seed: int = 0  # the seed the model was built with: an export rebuilds the same frozen weights
 
 
 def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
@@ -123,12 +125,13 @@ def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
     step_plan = StepPlan.for_config(len(train_set), cfg, plan, env.rank)  # checks the data before the model
     eval_set = build_dataset(cfg.data, split="val") if "split" in cfg.data else None
     precision = Precision(cfg.precision, env.device)
-    strategy = build_strategy(instantiate(cfg.model, _convert_="all"), env, cfg.dist, plan.mesh, precision,
-                              cfg.trainer.compile)
+    model = instantiate(cfg.model, _convert_="all")
+    frozen = checkpoint.frozen_digest(model)  # before wrapping: whole tensors on every rank
+    strategy = build_strategy(model, env, cfg.dist, plan.mesh, precision, cfg.trainer.compile)
     optimizer = build_optimizer(strategy.weights.optimizer_params(), cfg.optim, plan.lr)
     trainer = Trainer(strategy, optimizer, precision, env, plan, cfg.optim, cfg.trainer, cfg.batch.partial_step)
     torch.manual_seed(cfg.trainer.seed + env.rank)  # dropout and other runtime randomness per rank
-    return Parts(trainer, step_plan, train_set, eval_set, dict(cfg.model))
+    return Parts(trainer, step_plan, train_set, eval_set, dict(cfg.model), frozen, cfg.trainer.seed)
 
 
 def choose_micro_batch(cfg: Config, parts: Parts, env: DistEnv) -> BatchPlan:
@@ -251,6 +254,7 @@ def resume(parts: Parts, plan: BatchPlan, env: DistEnv, run_dir: Path, seed: int
             f"{run_dir} was trained with a global batch of {saved_global}: set batch.global_batch_size="
             f"{saved_global} (accum steps are re-derived for the new world size), or start a new run directory"
         )
+    checkpoint.check_frozen(shared.get("frozen"), parts.frozen, path)
     shards = path / checkpoint.SHARDS
     parts.trainer.load_checkpoint_state(shared["trainer"], shards if shards.is_dir() else None)
     position = Position(**shared["loop"])
@@ -266,7 +270,7 @@ def save_checkpoint(parts: Parts, position: Position, env: DistEnv, run_dir: Pat
     trainer_state, sharded = parts.trainer.checkpoint_state()
     # model_config: what rebuilds the model from this checkpoint alone (python -m dist_trainer.export)
     shared = {"trainer": trainer_state, "loop": asdict(position), "plan": asdict(parts.trainer.plan),
-              "model_config": parts.model_config}
+              "model_config": parts.model_config, "frozen": parts.frozen, "model_seed": parts.model_seed}
     path = checkpoint.save(run_dir, position.step, shared, env, keep, sharded)
     log.info("step %d: checkpoint %s", position.step, path)
 

@@ -278,3 +278,32 @@ def test_parquet_and_prompt_completion_records_give_the_same_tokens_as_jsonl_mes
                 cache_dir=str(tmp_path / "c"))
     for i in range(len(pairs)):
         assert all((x == y).all() for x, y in zip(a.conversation(i), b.conversation(i)))
+
+
+def test_the_arithmetic_set_holds_out_its_questions_and_evaluate_measures_a_model(tmp_path):
+    """python -m dist_trainer.arithmetic and python -m dist_trainer.evaluate, on a random tiny model."""
+    import math
+    import re
+
+    from dist_trainer.arithmetic import write
+    from dist_trainer.hf.evaluate import evaluate
+    from dist_trainer.hf.export import save_pretrained
+
+    write(tmp_path / "arith", train=300, test=20, largest=30, seed=0)
+    sets = {name: [json.loads(line)["messages"] for line in (tmp_path / "arith" / f"{name}.jsonl").open()]
+            for name in ("train", "test")}
+    questions = {name: {m[1 if m[0]["role"] == "system" else 0]["content"] for m in convs}
+                 for name, convs in sets.items()}
+    assert len(questions["train"]) == 300 and not questions["train"] & questions["test"]
+    for conv in sets["train"]:
+        a, b = map(int, re.match(r"What is (\d+)\+(\d+)\?", next(m["content"] for m in conv if m["role"] == "user")).groups())
+        assert next(m["content"] for m in conv if m["role"] == "assistant") == str(a + b)
+    torch.manual_seed(0)
+    module = hf_model("causal_lm", "llama", dict(LLAMA), tokenizer="bytes", chat_template="default")
+    save_pretrained(module, module.state_dict(), tmp_path / "model")
+    result = evaluate(tmp_path / "model", tmp_path / "arith" / "test.jsonl")
+    data = hf_chat([str(tmp_path / "arith" / "test.jsonl")], block_size=512, cache_dir=str(tmp_path / "c"))
+    assert result["conversations"] == 20
+    assert result["answer_tokens"] == sum(int(data.conversation(i)[1].sum()) for i in range(len(data)))
+    assert abs(result["answer_loss"] - math.log(261)) < 0.5  # a random model: about ln(vocabulary)
+    assert result["exact_match"] == 0.0

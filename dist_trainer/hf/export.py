@@ -1,6 +1,7 @@
 """Trained weights back to Hugging Face: ``hf_model/`` at the end of a run, or from any checkpoint.
 
     python -m dist_trainer.export CHECKPOINT_DIR OUT_DIR     (a checkpoint, or a run directory: its newest)
+    python -m dist_trainer.export CHECKPOINT_DIR OUT_DIR --adapter-out ADAPTER_DIR    (a LoRA model)
 
 The model is rebuilt from the configuration every checkpoint records
 (``model_config`` in shared.pt), so only the checkpoint is needed.
@@ -9,6 +10,13 @@ The directory is ``save_pretrained``'s (config.json, model.safetensors) with
 the FP32 weights (the masters in master modes) and the tokenizer's files when
 the data had a tokenizer: ``AutoModelFor*.from_pretrained(OUT_DIR)`` gives the
 trained model. It is written under a temporary name and renamed when complete.
+
+A LoRA model (model.lora.r) gives two: the merged model (the adapters folded
+into the base weights: a plain transformers model) in OUT_DIR, and the
+adapters alone, peft's ``save_pretrained`` (``PeftModel.from_pretrained(base,
+ADAPTER_DIR)``), in ADAPTER_DIR (the run directory's ``hf_adapter/``). A LoRA
+checkpoint holds the adapters only; the base comes from the recorded model
+configuration and must have the digest the checkpoint records.
 """
 
 from __future__ import annotations
@@ -28,22 +36,63 @@ from ..config import ConfigError
 PREFIX = "model."  # HFModel holds the transformers model as .model
 
 
-def save_pretrained(module: torch.nn.Module, state: Dict[str, torch.Tensor], out: Path) -> None:
-    """Write ``state`` (the framework's full FP32 state dict of an HFModel) as a Hugging Face directory."""
+def save_pretrained(module: torch.nn.Module, state: Dict[str, torch.Tensor], out: Path,
+                    adapter_out: Optional[Path] = None) -> None:
+    """Write ``state`` (the framework's full FP32 state dict of an HFModel) as a Hugging Face directory.
+
+    A LoRA model: the merged model in ``out``, the adapters in ``adapter_out``
+    (default: ``hf_adapter`` beside ``out``).
+    """
     hf_state = {key[len(PREFIX):]: value for key, value in state.items() if key.startswith(PREFIX)}
+    if _is_peft(module.model):
+        lora = _peft_copy(module, hf_state)
+        _write(lambda tmp: lora.save_pretrained(tmp), adapter_out or out.parent / "hf_adapter")
+        merged = lora.merge_and_unload()
+        _write(lambda tmp: (merged.save_pretrained(tmp), _save_tokenizer(module, tmp)), out)
+        return
+    _write(lambda tmp: (module.model.save_pretrained(tmp, state_dict=hf_state), _save_tokenizer(module, tmp)), out)
+
+
+def _write(fill, out: Path) -> None:
+    """``fill(tmp)``, then ``tmp`` renamed to ``out``: a directory complete, or not there."""
     tmp = out.parent / f".tmp-{out.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        module.model.save_pretrained(tmp, state_dict=hf_state)
-        if module.tokenizer_spec:
-            from .tokenizer import load_tokenizer
-
-            load_tokenizer(module.tokenizer_spec, chat_template=module.chat_template).save(tmp)
+        fill(tmp)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _save_tokenizer(module: torch.nn.Module, directory: Path) -> None:
+    if module.tokenizer_spec:
+        from .tokenizer import load_tokenizer
+
+        load_tokenizer(module.tokenizer_spec, chat_template=module.chat_template).save(directory)
+
+
+def _is_peft(model: torch.nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "merge_and_unload")
+
+
+def _peft_copy(module: torch.nn.Module, hf_state: Dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A CPU copy of the LoRA model holding ``hf_state``: merging it leaves the training model as it is
+    (under fsdp its parameters are shards, and training may go on)."""
+    import copy
+
+    import peft
+    import transformers
+
+    from .models import TASKS
+
+    base = module.model.get_base_model()
+    auto = getattr(transformers, TASKS[module.task])
+    copy_model = peft.get_peft_model(auto.from_config(copy.deepcopy(base.config), dtype=torch.float32),
+                                     copy.deepcopy(module.model.peft_config["default"]))
+    copy_model.load_state_dict(hf_state)
+    return copy_model
 
 
 def _checkpoint_of(path: Path) -> Path:
@@ -58,9 +107,11 @@ def _checkpoint_of(path: Path) -> Path:
     return found[0]
 
 
-def export(path: Path, out: Path) -> Path:
+def export(path: Path, out: Path, adapter_out: Optional[Path] = None) -> Path:
     """Rebuild the model from the configuration the checkpoint records, load its weights, write ``out``."""
     from hydra.utils import instantiate
+
+    from ..precision import load_trained
 
     ckpt = _checkpoint_of(path)
     shared, state = checkpoint.read_model(ckpt)
@@ -68,9 +119,12 @@ def export(path: Path, out: Path) -> Path:
     if model_cfg.get("_target_") != "dist_trainer.hf.models.hf_model":
         raise ConfigError(f"model._target_={model_cfg.get('_target_')}: export writes Hugging Face models "
                           "(model=hf_causal_lm or model=hf_masked_lm); use final_model.pt for this one")
+    torch.manual_seed(shared.get("model_seed", 0))  # as the run built it: the same weights where none are loaded
     module = instantiate(model_cfg, _convert_="all")
-    module.load_state_dict(state)
-    save_pretrained(module, state, out)
+    checkpoint.check_frozen(shared.get("frozen"), checkpoint.frozen_digest(module), ckpt)
+    load_trained(module, state)  # a LoRA checkpoint: the adapters; the base is the configuration's
+    full = {k: v.detach().float() if v.is_floating_point() else v for k, v in module.state_dict().items()}
+    save_pretrained(module, full, out, adapter_out)
     return ckpt
 
 
@@ -79,9 +133,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path, metavar="CHECKPOINT_DIR", help="a checkpoint, or a run directory")
     parser.add_argument("out", type=Path, metavar="OUT_DIR")
+    parser.add_argument("--adapter-out", type=Path, metavar="ADAPTER_DIR",
+                        help="a LoRA model's adapters (default: hf_adapter beside OUT_DIR)")
     args = parser.parse_args(argv)
     try:
-        ckpt = export(args.checkpoint, args.out)
+        ckpt = export(args.checkpoint, args.out, args.adapter_out)
     except (ConfigError, checkpoint.CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -95,7 +95,8 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> Dict[str, torch.Te
 
 def hf_model(task: str = "causal_lm", model_type: Optional[str] = None, config: Optional[Dict[str, Any]] = None,
              pretrained: Optional[str] = None, tokenizer: Optional[str] = None, block_size: Optional[int] = None,
-             attn_implementation: Optional[str] = "sdpa", chat_template: Optional[str] = None) -> HFModel:
+             attn_implementation: Optional[str] = "sdpa", chat_template: Optional[str] = None,
+             lora: Optional[Dict[str, Any]] = None) -> HFModel:
     """Build the model: from ``model_type`` and ``config`` (random weights), or from a local ``pretrained`` dir.
 
     ``model.config.vocab_size`` (and the eos and pad ids) follow ``tokenizer``
@@ -137,7 +138,35 @@ def hf_model(task: str = "causal_lm", model_type: Optional[str] = None, config: 
             raise ConfigError(f"model.model_type={model_type}: transformers has no {TASKS[task]} for it "
                               f"({err})") from err
     _check_positions(model.config, block_size)
+    if lora and lora.get("r"):
+        model = with_lora(model, task, **lora)
     return HFModel(model, task, tokenizer, block_size, chat_template)
+
+
+def with_lora(model: nn.Module, task: str, r: int, alpha: float = 16, dropout: float = 0.0,
+              target_modules: Optional[Any] = None) -> nn.Module:
+    """LoRA adapters (peft) on ``model``: its own weights frozen, the adapters the only trained parameters.
+
+    ``target_modules`` None takes peft's default for the model type (the
+    attention projections of llama, gpt2, qwen2, ...).
+    """
+    if task != "causal_lm":
+        raise ConfigError("model.lora: LoRA adapters are for model=hf_causal_lm")
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise ConfigError(f"model.lora.r={r!r}: the adapters' rank, an integer >= 1 (null or 0: full fine-tuning)")
+    try:
+        import peft
+    except ImportError as err:
+        raise ConfigError("model.lora needs peft: pip install 'dist_trainer[hf]'") from err
+    targets = list(target_modules) if isinstance(target_modules, (list, tuple)) else target_modules
+    config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
+                             task_type="CAUSAL_LM")
+    try:
+        return peft.get_peft_model(model, config)
+    except ValueError as err:  # no module matches target_modules, or peft knows no default for the type
+        names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise ConfigError(f"model.lora.target_modules={target_modules}: {err}. The model's linear layers are "
+                          f"named {', '.join(names)}") from err
 
 
 def _config(transformers: Any, model_type: str, overrides: Dict[str, Any]) -> Any:

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..config import DistConfig, MeshShape
 from ..distributed import DistEnv
-from ..precision import MasterWeights, ModelWeights, Precision
+from ..precision import MasterWeights, ModelWeights, Precision, frozen_names
 from .blocks import prepare_blocks
 from .comm import COMM_KEYS
 from .state import indexed_optimizer_state, optimizer_param_names, state_of
@@ -147,8 +147,14 @@ class DDPStrategy:
         return self.weights.fp32_state_dict(self.module)
 
     def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> Tuple[Dict[str, Any], None]:
-        """(what rank 0 writes into shared.pt, nothing sharded): the whole FP32 model and optimizer."""
-        return {"model": self.full_state_dict(), "optimizer": optimizer.state_dict()}, None
+        """(what rank 0 writes into shared.pt, nothing sharded): the FP32 model and optimizer.
+
+        Frozen parameters (a LoRA model's base) are left out: the model is built
+        with them, and the checkpoint records their digest (run.frozen_digest).
+        """
+        frozen = frozen_names(self.module)
+        model = {k: v for k, v in self.full_state_dict().items() if k not in frozen}
+        return {"model": model, "optimizer": optimizer.state_dict()}, None
 
     def load_checkpoint_state(self, optimizer: torch.optim.Optimizer, saved: Dict[str, Any],
                               shards: Optional[Path]) -> None:

@@ -56,11 +56,16 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGath
 from ..checkpoint import load_shards
 from ..config import DistConfig, MeshShape
 from ..distributed import DistEnv
-from ..precision import Precision
+from ..precision import Precision, frozen_names
 from .blocks import prepare_blocks
 from .comm import COMM_KEYS
 from .state import local_tensor, named_optimizer_state, optimizer_param_names
 
+
+def checkpointed(module: nn.Module) -> StateDictOptions:
+    """What checkpoints hold: every trained parameter and the optimizer's state, not frozen ones (a LoRA
+    model's base: the model is built with it, and the checkpoint records its digest). Strict without them."""
+    return StateDictOptions(ignore_frozen_params=True, strict=not frozen_names(module))
 
 
 class PeakMeter:
@@ -302,20 +307,21 @@ class FSDPStrategy:
         (another mesh, another world size, or ddp) can find its part; DCP writes
         each replicated shard once.
         """
-        model, optim = get_state_dict(self.module, optimizer)
+        model, optim = get_state_dict(self.module, optimizer, options=checkpointed(self.module))
         return {"param_groups": optim["param_groups"]}, {"model": model, "optim": optim["state"]}
 
     def load_checkpoint_state(self, optimizer: torch.optim.Optimizer, saved: Dict[str, Any],
                               shards: Optional[Path]) -> None:
         if shards is not None:  # a sharded checkpoint of any mesh: DCP reshards
-            model, optim = get_state_dict(self.module, optimizer)  # templates (creates the optimizer state)
+            model, optim = get_state_dict(self.module, optimizer, options=checkpointed(self.module))  # templates
             state = {"model": model, "optim": optim["state"]}
             load_shards(state, shards)
             set_state_dict(self.module, optimizer, model_state_dict=state["model"],
-                           optim_state_dict={"state": state["optim"], "param_groups": saved["param_groups"]})
+                           optim_state_dict={"state": state["optim"], "param_groups": saved["param_groups"]},
+                           options=checkpointed(self.module))
             return
         # A ddp checkpoint: whole FP32 tensors on every rank; each keeps its shard.
-        full = StateDictOptions(full_state_dict=True)
+        full = StateDictOptions(full_state_dict=True, strict=not frozen_names(self.module))
         set_model_state_dict(self.module, saved["model"], options=full)
         names = optimizer_param_names(optimizer, self.weights, self.module)
         set_optimizer_state_dict(self.module, optimizer, named_optimizer_state(saved["optimizer"], names),

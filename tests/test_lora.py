@@ -1,0 +1,198 @@
+"""LoRA adapters (model.lora, peft) on hf_causal_lm: exact under accumulation, the base untouched.
+
+The adapters are the only trained parameters; ddp and fsdp (frozen and trained
+parameters in one unit), padded and packed conversations, activation
+checkpointing; checkpoints hold the adapters alone and the base's digest;
+``hf_adapter/`` and the merged ``hf_model/`` give the framework's logits.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_trainer import distributed
+from dist_trainer.config import ConfigError, validate
+from dist_trainer.data import epoch_batches
+from dist_trainer.hf.models import hf_model
+from dist_trainer.run import build
+from helpers import run_ranks
+from test_checkpoint import metrics, run
+from test_hf_chat import chat_data, chat_model, conversations, write_jsonl
+from test_hf_models import LLAMA, _assert_close, _full, config
+
+STEPS = 2
+LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": None}
+
+
+def lora_model(**lora) -> dict:
+    return {**chat_model(), "lora": {**LORA, **lora}}
+
+
+def _jobs(files: list, cache: Path) -> dict:
+    def job(packing: bool, strategy: str, ac: bool):
+        data = chat_data(files, cache, packing=packing, block_size=256 if packing else 128)
+        return lambda micro: config(lora_model(), data, micro, strategy, ac=ac)
+    return {("packed" if packing else "padded", strategy, ac): job(packing, strategy, ac)
+            for packing, strategy, ac in [(False, "ddp", False), (True, "ddp", False), (False, "fsdp", True),
+                                          (True, "fsdp", False)]}
+
+
+def _steps(cfg, world: int) -> dict:
+    parts = build(cfg, validate(cfg, world), distributed.init("cpu"))
+    module = parts.trainer.module
+    rec = {"grads": [], "items": [], "base": {n: _full(p) for n, p in module.named_parameters() if not p.requires_grad}}
+    trained = [n for n, p in module.named_parameters() if p.requires_grad]
+    for step, (window, micro_batches) in zip(range(1, STEPS + 1),
+                                             epoch_batches(parts.train_set, parts.step_plan, 0, 0, 0, False)):
+        outcome = parts.trainer.train_step(micro_batches, window, step)
+        rec["items"].append(outcome.items)
+        rec["grads"].append({n: _full(p.grad) for n, p in module.named_parameters() if p.requires_grad})
+    rec["params"] = {n: _full(p) for n, p in module.named_parameters() if p.requires_grad}
+    rec["base_after"] = {n: _full(p) for n, p in module.named_parameters() if not p.requires_grad}
+    rec["trained"] = trained
+    del parts
+    gc.collect()
+    return rec
+
+
+def _split_worker(rank: int, world: int, files: list, cache: str) -> dict:
+    return {key: _steps(make(4), world) for key, make in _jobs(files, Path(cache)).items()}
+
+
+def test_lora_split_invariance_under_ddp_and_fsdp_and_the_base_stays_bit_identical(tmp_path):
+    """2 ranks x micro 4 x accum 4 == 1 process x 32 samples for the adapters; the base never moves."""
+    files = [str(write_jsonl(tmp_path / "chats.jsonl", conversations(160, seed=3)))]
+    cache = tmp_path / "cache"
+    ranks = run_ranks(_split_worker, 2, tmp_path, files, str(cache))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        jobs = _jobs(files, cache)
+        refs = {kind: _steps(jobs[(kind, "ddp", False)](32), 1) for kind in ("padded", "packed")}
+    finally:
+        dist.destroy_process_group()
+    for (kind, strategy, ac), rec in ranks[0].items():
+        ref, what = refs[kind], f"{kind}/{strategy}{' +ac' if ac else ''}"
+        assert rec["trained"] and all("lora_" in n for n in rec["trained"])  # only the adapters train
+        assert len(rec["base"]) > len(rec["trained"])  # the base's weights are frozen
+        assert rec["items"] == ref["items"]
+        for step in range(STEPS):
+            _assert_close(rec["grads"][step], ref["grads"][step], f"{what} step {step + 1} grad")
+        _assert_close(rec["params"], ref["params"], f"{what} adapters")
+        _assert_close(ranks[1][(kind, strategy, ac)]["params"], rec["params"], f"{what} rank 1")
+        assert all(torch.equal(rec["base_after"][n], rec["base"][n]) for n in rec["base"]), what
+        assert all(torch.equal(rec["base"][n], ref["base"][n]) for n in ref["base"]), what  # the same base
+
+
+def test_bf16_master_stores_the_base_in_bf16_and_trains_fp32_masters_of_the_adapters(tmp_path):
+    files = [str(write_jsonl(tmp_path / "chats.jsonl", conversations(40, seed=4)))]
+    cfg = config(lora_model(), chat_data(files, tmp_path / "cache"), 8, precision="bf16-master")
+    cfg.batch.global_batch_size = 16
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        parts = build(cfg, validate(cfg, 1), distributed.init("cpu"))
+        module, weights = parts.trainer.module, parts.trainer.weights
+        base = {n: p.detach().clone() for n, p in module.named_parameters() if not p.requires_grad}
+        assert {p.dtype for n, p in module.named_parameters()} == {torch.bfloat16}
+        assert weights.masters and all(m.dtype == torch.float32 for m in weights.masters)
+        assert len(weights.masters) == sum(p.requires_grad for p in module.parameters())
+        masters = [m.clone() for m in weights.masters]
+        for step, (window, batches) in zip((1, 2), epoch_batches(parts.train_set, parts.step_plan, 0, 0, 0, False)):
+            assert not parts.trainer.train_step(batches, window, step).skipped
+        assert all(not torch.equal(a, b) for a, b in zip(masters, weights.masters))  # the adapters moved
+        assert all(torch.equal(p, base[n]) for n, p in module.named_parameters() if not p.requires_grad)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_lora_settings_name_the_key():
+    with pytest.raises(ConfigError, match=r"model.lora.target_modules=\['nope'\]: .*linear layers are named .*q_proj"):
+        hf_model("causal_lm", "llama", dict(LLAMA), lora={**LORA, "target_modules": ["nope"]})
+    with pytest.raises(ConfigError, match=r"model.lora.r=-1: the adapters' rank"):
+        hf_model("causal_lm", "llama", dict(LLAMA), lora={**LORA, "r": -1})
+    with pytest.raises(ConfigError, match=r"model.lora: LoRA adapters are for model=hf_causal_lm"):
+        hf_model("masked_lm", "bert", {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                       "intermediate_size": 64}, lora=LORA)
+    full = hf_model("causal_lm", "llama", dict(LLAMA), lora={**LORA, "r": None})
+    assert all(p.requires_grad for p in full.parameters())  # r null: full fine-tuning
+
+
+# ------------------------------------------------------------------------ a real run, resumed
+
+MODEL_ARGS = ["model=hf_causal_lm", "model.model_type=llama", "model.pretrained=null",
+              "+model.config={hidden_size:32,num_hidden_layers:2,num_attention_heads:4,num_key_value_heads:2,"
+              "intermediate_size:64}", "model.lora.r=4", "model.lora.alpha=8"]
+
+
+def _args(chats: Path, cache: Path, run_dir: Path, steps: int) -> list:
+    return MODEL_ARGS + [
+        "data=hf_chat", f"data.files=[{chats}]", "data.packing=true", "data.block_size=256", "data.val_fraction=0.1",
+        f"data.cache_dir={cache}", "batch.micro_batch_size=2", "batch.global_batch_size=8", "optim.schedule=constant",
+        "optim.warmup_steps=0", f"trainer.max_steps={steps}", "trainer.ckpt_every=2", "trainer.eval_every=3",
+        "trainer.eval_batches=2", "trainer.log_every=1", "trainer.device=cpu", "dist.strategy=fsdp",
+        f"hydra.run.dir={run_dir}"]
+
+
+@pytest.mark.slow  # four 2-rank torchrun jobs and two exports: about 70 s
+def test_a_lora_run_resumes_bit_identically_and_exports_adapters_and_a_merged_model(tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    chats, cache = write_jsonl(tmp_path / "chats.jsonl", conversations(120, seed=5)), tmp_path / "cache"
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    ref = run(_args(chats, cache, whole, 9), tmp_path, nproc=2)
+    assert ref.returncode == 0, ref.output[-4000:]
+    first = run(_args(chats, cache, split, 5), tmp_path, nproc=2)  # the first 5 steps (constant lr: the same)
+    assert first.returncode == 0, first.output[-4000:]
+    shutil.rmtree(split / "checkpoints" / "step_00000005")  # as if killed in step 5: resume from 4
+    second = run(_args(chats, cache, split, 9), tmp_path, nproc=2)
+    assert second.returncode == 0, second.output[-4000:]
+    assert "resuming from" in second.output and "(step 4)" in second.output
+    epochs = [r["epoch"] for r in metrics(whole)]
+    assert epochs[3] == epochs[4] and len(set(epochs)) >= 2  # step 4 is mid-epoch; the run crosses an epoch
+    got, want = (torch.load(d / "final_model.pt", weights_only=True) for d in (split, whole))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert [r["loss"] for r in metrics(split)] == [r["loss"] for r in metrics(whole)]
+
+    # The checkpoint holds the adapters (and their optimizer state) only, and the base's digest.
+    from dist_trainer.checkpoint import shard_tensor_shapes
+
+    ckpt = whole / "checkpoints" / "step_00000009"  # the last step is always saved
+    keys = [k for k in shard_tensor_shapes(ckpt / "shards") if k.startswith("model.")]
+    assert keys and all(".lora_" in k for k in keys)
+    shared = torch.load(ckpt / "shared.pt", weights_only=False)
+    assert len(shared["frozen"]) == 64
+
+    # hf_adapter/ on the base, and the merged hf_model/, give the framework's logits.
+    from hydra.utils import instantiate
+
+    module = instantiate(shared["model_config"], _convert_="all")
+    module.load_state_dict(want)
+    batch = {"input_ids": torch.randint(0, 250, (2, 40))}
+    with torch.no_grad():
+        logits = module.model(**batch).logits
+        base = module.model.get_base_model()
+        base_copy = AutoModelForCausalLM.from_config(base.config)
+        base_copy.load_state_dict({k.replace("base_layer.", ""): v for k, v in
+                                   base.state_dict().items() if "lora_" not in k})
+        adapted = PeftModel.from_pretrained(base_copy, whole / "hf_adapter").eval()
+        merged = AutoModelForCausalLM.from_pretrained(whole / "hf_model").eval()
+        torch.testing.assert_close(adapted(**batch).logits, logits, atol=1e-5, rtol=0)
+        torch.testing.assert_close(merged(**batch).logits, logits, atol=1e-5, rtol=0)
+    assert json.loads((whole / "hf_adapter" / "adapter_config.json").read_text())["r"] == 4
+
+    # The export command writes the same from the checkpoint; a different base is refused.
+    from dist_trainer.hf.export import export
+
+    export(ckpt, tmp_path / "exported", tmp_path / "exported-adapter")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(**batch).logits, logits, atol=1e-5, rtol=0)
+    other = run(_args(chats, cache, whole, 12) + ["trainer.seed=1"], tmp_path, nproc=2)  # another random base
+    assert other.returncode != 0 and "trained on other frozen weights" in other.output, other.output[-3000:]
