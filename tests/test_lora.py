@@ -112,7 +112,7 @@ def test_bf16_master_stores_the_base_in_bf16_and_trains_fp32_masters_of_the_adap
 
 
 def test_lora_settings_name_the_key():
-    with pytest.raises(ConfigError, match=r"model.lora.target_modules=\['nope'\]: .*linear layers are named .*q_proj"):
+    with pytest.raises(ConfigError, match=r"model.lora.target_modules=\['nope'\] \(modules_to_save=None\): .*linear layers are named .*q_proj"):
         hf_model("causal_lm", "llama", dict(LLAMA), lora={**LORA, "target_modules": ["nope"]})
     with pytest.raises(ConfigError, match=r"model.lora.r=-1: the adapters' rank"):
         hf_model("causal_lm", "llama", dict(LLAMA), lora={**LORA, "r": -1})
@@ -190,9 +190,26 @@ def test_a_lora_run_resumes_bit_identically_and_exports_adapters_and_a_merged_mo
     # The export command writes the same from the checkpoint; a different base is refused.
     from dist_trainer.hf.export import export
 
-    export(ckpt, tmp_path / "exported", tmp_path / "exported-adapter")
+    # A run directory stands for its newest checkpoint (step 9; 6 and 8 are kept too).
+    assert export(whole, tmp_path / "exported", tmp_path / "exported-adapter") == ckpt
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
     with torch.no_grad():
         torch.testing.assert_close(again(**batch).logits, logits, atol=1e-5, rtol=0)
     other = run(_args(chats, cache, whole, 12) + ["trainer.seed=1"], tmp_path, nproc=2)  # another random base
     assert other.returncode != 0 and "trained on other frozen weights" in other.output, other.output[-3000:]
+
+
+def test_tokens_a_template_adds_to_a_pretrained_vocabulary_train_under_lora(tmp_path):
+    from dist_trainer.hf.export import save_pretrained
+
+    torch.manual_seed(0)
+    base = hf_model("causal_lm", "llama", dict(LLAMA), tokenizer="bytes")  # 259 ids: no chat markers
+    save_pretrained(base, base.state_dict(), tmp_path / "base")
+    tuned = hf_model("causal_lm", pretrained=str(tmp_path / "base"), tokenizer=str(tmp_path / "base"),
+                     chat_template="default", lora=LORA)
+    assert tuned.model.get_base_model().config.vocab_size == 261
+    trained = {n for n, p in tuned.named_parameters() if p.requires_grad}
+    assert any("trainable_tokens" in n for n in trained) and any("lora_" in n for n in trained)
+    head = hf_model("causal_lm", pretrained=str(tmp_path / "base"), tokenizer=str(tmp_path / "base"),
+                    chat_template="default", lora={**LORA, "modules_to_save": ["lm_head"]})
+    assert any("lm_head" in n for n, p in head.named_parameters() if p.requires_grad)

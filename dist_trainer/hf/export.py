@@ -99,7 +99,7 @@ def _checkpoint_of(path: Path) -> Path:
     """A checkpoint directory as given, or a run directory's newest valid one."""
     if (path / checkpoint.MANIFEST).is_file():
         return path
-    found = [ckpt for ckpt in reversed(checkpoint.list_checkpoints(path / "checkpoints"))
+    found = [ckpt for ckpt in checkpoint.list_checkpoints(path / "checkpoints")  # newest first
              if checkpoint.verify(ckpt) is None]
     if not found:
         raise ConfigError(f"{path}: neither a checkpoint (no {checkpoint.MANIFEST}) nor a run directory "

@@ -14,7 +14,7 @@ positions for a masked LM), with the number of those tokens.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -114,6 +114,7 @@ def hf_model(task: str = "causal_lm", model_type: Optional[str] = None, config: 
     overrides.update(_from_tokenizer(tokenizer, overrides, chat_template))
     auto = getattr(transformers, TASKS[task])
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    added: list = []  # token ids the tokenizer has and the pretrained weights had not (a template's markers)
     if pretrained:
         if pretrained.startswith(("/", "./", "../", "~")) and not Path(pretrained).expanduser().exists():
             raise ConfigError(f"model.pretrained={pretrained}: no such directory")
@@ -126,6 +127,7 @@ def hf_model(task: str = "causal_lm", model_type: Optional[str] = None, config: 
         except (OSError, ValueError) as err:
             raise ConfigError(f"model.pretrained={pretrained}: cannot be loaded ({err})") from err
         if vocab is not None and vocab > model.config.vocab_size:
+            added = list(range(model.config.vocab_size, vocab))
             model.resize_token_embeddings(vocab, mean_resizing=True)  # new rows: the mean of the others
     else:
         if not model_type:
@@ -139,16 +141,22 @@ def hf_model(task: str = "causal_lm", model_type: Optional[str] = None, config: 
                               f"({err})") from err
     _check_positions(model.config, block_size)
     if lora and lora.get("r"):
-        model = with_lora(model, task, **lora)
+        model = with_lora(model, task, **lora, new_tokens=added)
     return HFModel(model, task, tokenizer, block_size, chat_template)
 
 
 def with_lora(model: nn.Module, task: str, r: int, alpha: float = 16, dropout: float = 0.0,
-              target_modules: Optional[Any] = None) -> nn.Module:
+              target_modules: Optional[Any] = None, modules_to_save: Optional[Any] = None,
+              new_tokens: Sequence[int] = ()) -> nn.Module:
     """LoRA adapters (peft) on ``model``: its own weights frozen, the adapters the only trained parameters.
 
     ``target_modules`` None takes peft's default for the model type (the
-    attention projections of llama, gpt2, qwen2, ...).
+    attention projections of llama, gpt2, qwen2, ...). ``modules_to_save``
+    (e.g. ``[lm_head]``) train in full beside the adapters and are saved with
+    them. ``new_tokens``, rows the embeddings got for a tokenizer's added
+    tokens (a chat template's markers), train too (peft's trainable tokens),
+    unless the embedding trains whole: a frozen new row is one the model
+    cannot learn to read.
     """
     if task != "causal_lm":
         raise ConfigError("model.lora: LoRA adapters are for model=hf_causal_lm")
@@ -159,13 +167,18 @@ def with_lora(model: nn.Module, task: str, r: int, alpha: float = 16, dropout: f
     except ImportError as err:
         raise ConfigError("model.lora needs peft: pip install 'dist_trainer[hf]'") from err
     targets = list(target_modules) if isinstance(target_modules, (list, tuple)) else target_modules
+    saved = list(modules_to_save) if modules_to_save else None
+    embedding = model.get_input_embeddings()
+    whole = saved and any(name.rsplit(".", 1)[-1] in saved for name, m in model.named_modules() if m is embedding)
     config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
-                             task_type="CAUSAL_LM")
+                             modules_to_save=saved, task_type="CAUSAL_LM",
+                             trainable_token_indices=None if whole or not new_tokens else list(new_tokens))
     try:
         return peft.get_peft_model(model, config)
     except ValueError as err:  # no module matches target_modules, or peft knows no default for the type
         names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
-        raise ConfigError(f"model.lora.target_modules={target_modules}: {err}. The model's linear layers are "
+        raise ConfigError(f"model.lora.target_modules={target_modules} (modules_to_save={modules_to_save}): {err}. "
+                          f"The model's linear layers are "
                           f"named {', '.join(names)}") from err
 
 
