@@ -17,6 +17,22 @@ def _quiet_single_thread_env(monkeypatch):
         dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A real one-node Slurm (tests/slurm_cluster.py) for one module's tests; skipped, with why, where it cannot run."""
+    from slurm_cluster import SlurmCluster, available
+
+    reason = available()
+    if reason:
+        pytest.skip(reason)
+    slurm = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        slurm.start()
+        yield slurm
+    finally:
+        slurm.stop()
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: longer than the default suite allows; run with -m slow")
     config.addinivalue_line("markers", "slurm: starts a real one-node Slurm cluster (installs it as root if missing)")

@@ -6,7 +6,6 @@ system prompts; the models are tiny transformers configurations (no hub).
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import random
@@ -16,21 +15,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_trainer import distributed
-from dist_trainer.config import ConfigError, validate
-from dist_trainer.data import epoch_batches
+from dist_trainer.config import ConfigError
 from dist_trainer.hf.chat import ChatTemplate, Conversations, PackedConversations, hf_chat, pack
 from dist_trainer.hf.models import hf_model
 from dist_trainer.hf.tokenizer import DEFAULT_CHAT_TEMPLATE, load_tokenizer, train_bpe
-from dist_trainer.run import build
 from helpers import run_ranks
-from test_hf_models import LLAMA, _assert_close, _full, config
+from test_hf_models import LLAMA, STEPS, _assert_close, _steps, config
 
 GPT2 = {"n_embd": 32, "n_layer": 2, "n_head": 2, "n_positions": 256, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
         "attn_pdrop": 0.0}
 QWEN2 = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
          "intermediate_size": 64}
-STEPS = 2
 
 
 def conversations(n: int, seed: int = 0) -> list:
@@ -173,20 +168,6 @@ def _jobs(files: list, cache: Path) -> dict:
         data = chat_data(files, cache, packing=packing, block_size=256 if packing else 128)
         return lambda micro: config(chat_model(), data, micro, strategy)
     return {(packing, strategy): job(packing, strategy) for packing in (False, True) for strategy in ("ddp", "fsdp")}
-
-
-def _steps(cfg, world: int) -> dict:
-    parts = build(cfg, validate(cfg, world), distributed.init("cpu"))
-    module, rec = parts.trainer.module, {"grads": [], "items": []}
-    for step, (window, micro_batches) in zip(range(1, STEPS + 1),
-                                             epoch_batches(parts.train_set, parts.step_plan, 0, 0, 0, False)):
-        outcome = parts.trainer.train_step(micro_batches, window, step)
-        rec["items"].append(outcome.items)
-        rec["grads"].append({name: _full(p.grad) for name, p in module.named_parameters()})
-    rec["params"] = {name: _full(p) for name, p in module.named_parameters()}
-    del parts
-    gc.collect()
-    return rec
 
 
 def _split_worker(rank: int, world: int, files: list, cache: str) -> dict:

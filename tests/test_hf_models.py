@@ -102,15 +102,17 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _steps(cfg: Config, world: int) -> dict:
-    """Gradients of every step and the parameters after them (every rank calls; the values are whole)."""
+    """Gradients of every step, the parameters after them, the frozen ones before (every rank calls; whole values)."""
     parts = build(cfg, validate(cfg, world), distributed.init("cpu"))
     module, rec = parts.trainer.module, {"grads": [], "items": []}
+    # The frozen parameters (a LoRA model's base) as built: training must leave them as they are.
+    rec["frozen"] = {name: _full(p) for name, p in module.named_parameters() if not p.requires_grad}
     batches = epoch_batches(parts.train_set, parts.step_plan, 0, 0, 0, False)
     for step, (window, micro_batches) in zip(range(1, STEPS + 1), batches):
         outcome = parts.trainer.train_step(micro_batches, window, step)
         assert not outcome.skipped
         rec["items"].append(outcome.items)
-        rec["grads"].append({name: _full(p.grad) for name, p in module.named_parameters()})
+        rec["grads"].append({name: _full(p.grad) for name, p in module.named_parameters() if p.requires_grad})
     rec["params"] = {name: _full(p) for name, p in module.named_parameters()}
     del parts
     gc.collect()

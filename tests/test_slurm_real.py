@@ -30,26 +30,13 @@ import pytest
 import torch
 
 from helpers import REPO, free_port
-from slurm_cluster import SlurmCluster, available
+from slurm_cluster import SlurmCluster
 from test_checkpoint import JOB2, TESTS, gated, metrics, run
 
 pytestmark = pytest.mark.slurm
 
 STEPS, GATE_STEP = 12, 5
 ARGS = JOB2 + [f"trainer.max_steps={STEPS}", "trainer.ckpt_every=100"]
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    reason = available()
-    if reason:
-        pytest.skip(reason)
-    slurm = SlurmCluster(tmp_path_factory.mktemp("slurm"))
-    try:
-        slurm.start()
-        yield slurm
-    finally:
-        slurm.stop()
 
 
 def _wait(predicate, timeout: float, what: str, cluster: SlurmCluster, job: str, output: Path) -> None:

@@ -89,21 +89,6 @@ def test_submitit_local_sweep_runs_each_point_as_two_ranks_in_its_own_run_direct
 # ----------------------------------------------------------------------------------------- Slurm
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    from slurm_cluster import SlurmCluster, available
-
-    reason = available()
-    if reason:
-        pytest.skip(reason)
-    slurm = SlurmCluster(tmp_path_factory.mktemp("slurm"))
-    try:
-        slurm.start()
-        yield slurm
-    finally:
-        slurm.stop()
-
-
 def _wait(predicate, timeout: float, what: str, proc: subprocess.Popen, cluster, sweep_dir: Path) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
