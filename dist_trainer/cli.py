@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Optional, TextIO
@@ -104,8 +105,9 @@ def run_job(dict_cfg: DictConfig) -> None:
         cfg: Config = OmegaConf.to_object(dict_cfg)
     except MissingMandatoryValue as err:  # e.g. model=custom without model._target_, data=tokens without data.path
         example = "my_pkg.module.Name" if err.full_key.endswith("_target_") else "..."
-        report_error("ConfigError", f"{err.full_key} must be set, e.g. {err.full_key}={example}")
-        sys.exit(2)
+        message = f"{err.full_key} must be set, e.g. {err.full_key}={example}"
+        report_error("ConfigError", message)
+        _stop(ConfigError(message))
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         if cfg.plan.only:
@@ -119,11 +121,24 @@ def run_job(dict_cfg: DictConfig) -> None:
     except (ConfigError, LossScaleError, NonFiniteError, ConsistencyError, CheckpointError,
             CheckpointWriteError) as err:
         report_error(type(err).__name__, str(err))
-        sys.exit(2)
+        _stop(err)
     except Preempted as err:
         log.warning("%s", err)
         pass_on(err.signum)  # submitit's handler requeues the job (rank 0)
         sys.exit(EXIT_REQUEUE)
+
+
+def _stop(err: Exception) -> None:
+    """Exit 2 with the error already printed; a submitit task raises it instead.
+
+    Hydra's job runner keeps what a task raises in the job's result, which
+    submitit sends back: the sweep's command then fails with this error. A task
+    that exits leaves no result, and the command can only say that the job
+    produced none (or, on a cluster without job accounting, wait for it).
+    """
+    if os.environ.get("SUBMITIT_EXECUTOR"):
+        raise err
+    sys.exit(2)
 
 
 # Not a decorator: a launcher that ships the task function to another process (submitit)

@@ -38,8 +38,8 @@ def sweep():
     """Starts ``python -m dist_trainer -m`` over LRS; whatever a test leaves running is killed after it."""
     procs = []
 
-    def start(launcher: str, sweep_dir: Path, extra: list, env: dict, cwd: Path) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "dist_trainer", "-m", f"optim.lr={','.join(map(str, LRS))}",
+    def start(launcher: str, sweep_dir: Path, extra: list, env: dict, cwd: Path, lrs=LRS) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "dist_trainer", "-m", f"optim.lr={','.join(map(str, lrs))}",
                f"hydra/launcher={launcher}", *TASKS, f"hydra.sweep.dir={sweep_dir}", *extra]
         procs.append(subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True, start_new_session=True))
@@ -84,6 +84,18 @@ def test_submitit_local_sweep_runs_each_point_as_two_ranks_in_its_own_run_direct
     # The two points differ only by their learning rate: the same first loss, then they part.
     first, second = (metrics(sweep_dir / p) for p in ("0", "1"))
     assert first[0]["loss"] == second[0]["loss"] and first[-1]["loss"] != second[-1]["loss"]
+
+
+@pytest.mark.slow  # two points, one failing on every rank: about 25 s
+def test_a_point_with_a_bad_value_fails_the_sweep_with_its_error_and_the_others_train(sweep, tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    proc = sweep("submitit_local", sweep_dir, ARGS + ["trainer.max_steps=2", "batch.global_batch_size=32,31"],
+                 _env(), tmp_path, lrs=LRS[:1])
+    out = proc.communicate(timeout=240)[0]
+    assert proc.returncode != 0
+    # The point's own error, raised again by the sweep's command (Hydra names the point's overrides).
+    assert re.search(r"ConfigError: batch.global_batch_size=31 is not", out), out[-3000:]
+    assert [r["step"] for r in metrics(sweep_dir / "0")] == [1, 2]  # the good points trained
 
 
 # ----------------------------------------------------------------------------------------- Slurm
