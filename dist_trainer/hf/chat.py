@@ -34,6 +34,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -237,9 +238,7 @@ def _write(out: Path, sources: Sources, tok: TextTokenizer, template: ChatTempla
                 f.close()
     for split, offs in offsets.items():
         np.save(out / f"{split}.offsets.npy", np.asarray(offs, dtype=np.int64))
-    import shutil
-
-    shutil.rmtree(out / "datasets", ignore_errors=True)
+    shutil.rmtree(out / "datasets", ignore_errors=True)  # datasets' arrow copies of parquet files
     return {"tokenizer": tok.spec, "vocab_size": tok.vocab_size, "inputs": [[str(p), f] for p, f in sources],
             "train_on": train_on, "max_length": max_length, "val_fraction": val_fraction, "truncated": truncated,
             "dropped": dropped, "seconds": time.perf_counter() - started, **counts}
