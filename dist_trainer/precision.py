@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Dict, List, Tuple
+from typing import Any, Collection, ContextManager, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -147,8 +147,9 @@ class ModelWeights:
     def after_step(self) -> None:
         pass
 
-    def fp32_state_dict(self, model: nn.Module) -> Dict[str, torch.Tensor]:
-        return _fp32_copy(model.state_dict())
+    def fp32_state_dict(self, model: nn.Module, leave_out: Collection[str] = ()) -> Dict[str, torch.Tensor]:
+        """FP32 copies of the state, but for the names in ``leave_out`` (a checkpoint's frozen weights)."""
+        return _fp32_copy(_without(model.state_dict(), leave_out))
 
     def load_fp32_state_dict(self, model: nn.Module, state: Dict[str, torch.Tensor]) -> None:
         load_trained(model, state)
@@ -217,12 +218,12 @@ class MasterWeights:
         for p, m in zip(self.params, self.masters):
             p.copy_(m)  # round the updated FP32 master into the half parameter
 
-    def fp32_state_dict(self, model: nn.Module) -> Dict[str, torch.Tensor]:
-        state = _fp32_copy(model.state_dict())
+    def fp32_state_dict(self, model: nn.Module, leave_out: Collection[str] = ()) -> Dict[str, torch.Tensor]:
+        state = _fp32_copy(_without(model.state_dict(), leave_out))
         # Every name of a tied parameter (a GPT's head.weight is its tok_emb.weight)
         # gets the master: the state dict holds both, and loading takes the last.
         for name, p in model.named_parameters(remove_duplicate=False):
-            if p in self.master_of:
+            if p in self.master_of:  # trained, so never left out
                 state[name] = self.master_of[p].detach().cpu().clone()
         return state
 
@@ -245,6 +246,10 @@ def load_trained(model: nn.Module, state: Dict[str, torch.Tensor]) -> None:
     absent = sorted(set(missing) - frozen_names(model))
     if absent or unexpected:
         raise RuntimeError(f"the saved model does not fit this one: missing {absent[:5]}, unexpected {unexpected[:5]}")
+
+
+def _without(state: Dict[str, torch.Tensor], names: Collection[str]) -> Dict[str, torch.Tensor]:
+    return {k: v for k, v in state.items() if k not in names} if names else state
 
 
 def _fp32_copy(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

@@ -30,10 +30,8 @@ Tokenized once into the cache, like data=hf_text: ``<cache>/hf_chat/<key>``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -48,7 +46,8 @@ from .. import distributed
 from ..config import ConfigError
 from ..datasets import IGNORE_INDEX
 from ..prepare import held_out
-from .text import OUTCOMES, Sources, agreed, build_cache, cache_root, load_table, resolve_files
+from .text import (OUTCOMES, Sources, agreed, build_cache, cache_root, check_common, files_key, load_table,
+                   resolve_files)
 from .tokenizer import TextTokenizer, load_tokenizer
 
 log = logging.getLogger("dist_trainer")
@@ -246,11 +245,9 @@ def _write(out: Path, sources: Sources, tok: TextTokenizer, template: ChatTempla
 
 def _cache_key(sources: Sources, tok: TextTokenizer, columns: Columns, train_on: str, max_length: int,
                val_fraction: float) -> str:
-    files = [[str(p), p.stat().st_size, p.stat().st_mtime_ns, fmt] for p, fmt in sources]
-    parts = {"version": CACHE_VERSION, "files": files, "tokenizer": tok.to_json(), "template": tok.chat_template,
-             "columns": [columns.messages, columns.prompt, columns.completion], "train_on": train_on,
-             "max_length": max_length, "val_fraction": float(val_fraction)}
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+    return files_key(sources, tok, CACHE_VERSION, template=tok.chat_template,
+                     columns=[columns.messages, columns.prompt, columns.completion], train_on=train_on,
+                     max_length=max_length, val_fraction=float(val_fraction))
 
 
 class Conversations(Dataset):
@@ -344,26 +341,20 @@ class PackedConversations(Dataset):
 def _check_args(files: Any, block_size: Any, max_length: Any, train_on: str, split: str, task: str,
                 val_fraction: Any, format: Optional[str]) -> Tuple[List[str], int]:
     """Checks of the values alone: the same on every rank, so they may raise before any collective."""
-    files = [files] if isinstance(files, (str, os.PathLike)) else files
-    if not files or not all(isinstance(f, (str, os.PathLike)) for f in files):
-        raise ConfigError(f"data.files={files!r}: must be a non-empty list of paths")
+    files = check_common(files, split, val_fraction)
     if format is not None and format not in FORMATS:
         raise ConfigError(f"data.format={format!r}: choose json or parquet, or null (from the extension)")
     if task != "causal_lm":
         raise ConfigError(f"data=hf_chat trains causal LMs; model.task={task} (use model=hf_causal_lm)")
     if train_on not in TRAIN_ON:
         raise ConfigError(f"data.train_on={train_on!r}: choose assistant (the answers) or all (every token)")
-    if split not in ("train", "val"):
-        raise ConfigError(f"data.split={split!r}: choose train or val")
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 2:
         raise ConfigError(f"data.block_size={block_size!r}: must be an integer >= 2")
     max_length = block_size if max_length is None else max_length
     if not isinstance(max_length, int) or isinstance(max_length, bool) or not 2 <= max_length <= block_size:
         raise ConfigError(f"data.max_length={max_length!r}: must be an integer in [2, data.block_size={block_size}] "
                           "(null: data.block_size)")
-    if not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
-        raise ConfigError(f"data.val_fraction={val_fraction!r}: must be in [0, 1)")
-    return [str(f) for f in files], max_length
+    return files, max_length
 
 
 def hf_chat(files: Sequence[str], block_size: int = 512, tokenizer: str = "bytes", chat_template: str = "auto",

@@ -123,8 +123,7 @@ def export(path: Path, out: Path, adapter_out: Optional[Path] = None) -> Path:
     module = instantiate(model_cfg, _convert_="all")
     checkpoint.check_frozen(shared.get("frozen"), checkpoint.frozen_digest(module), ckpt)
     load_trained(module, state)  # a LoRA checkpoint: the adapters; the base is the configuration's
-    full = {k: v.detach().float() if v.is_floating_point() else v for k, v in module.state_dict().items()}
-    save_pretrained(module, full, out, adapter_out)
+    save_pretrained(module, module.state_dict(), out, adapter_out)  # hf_model builds in FP32
     return ckpt
 
 

@@ -122,9 +122,13 @@ def cache_root(cache_dir: Optional[str]) -> Path:
 
 
 def cache_key(sources: Sources, tokenizer: TextTokenizer, text_key: str, val_fraction: float) -> str:
+    return files_key(sources, tokenizer, CACHE_VERSION, text_key=text_key, val_fraction=float(val_fraction))
+
+
+def files_key(sources: Sources, tokenizer: TextTokenizer, version: int, **options: Any) -> str:
+    """sha256 of the files (paths, sizes, mtimes, formats), the tokenizer, a layout version and ``options``."""
     files = [[str(p), p.stat().st_size, p.stat().st_mtime_ns, fmt] for p, fmt in sources]
-    parts = {"version": CACHE_VERSION, "files": files, "tokenizer": tokenizer.to_json(), "text_key": text_key,
-             "val_fraction": float(val_fraction)}
+    parts = {"version": version, "files": files, "tokenizer": tokenizer.to_json(), **options}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
@@ -270,19 +274,25 @@ class MaskedText(TokenFile):
 
 def _check_args(files: Any, block_size: Any, val_fraction: Any, split: str, task: str, mlm_probability: Any) -> List[str]:
     """Checks of the values alone: the same on every rank, so they may raise before any collective."""
+    files = check_common(files, split, val_fraction)
+    if task not in TASKS:
+        raise ConfigError(f"data.task={task!r}: choose one of {', '.join(TASKS)} (it follows model.task)")
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ConfigError(f"data.block_size={block_size!r}: must be an integer >= 1")
+    if task == "masked_lm" and not (isinstance(mlm_probability, (int, float)) and 0 < mlm_probability <= 1):
+        raise ConfigError(f"data.mlm_probability={mlm_probability!r}: must be in (0, 1]")
+    return files
+
+
+def check_common(files: Any, split: str, val_fraction: Any) -> List[str]:
+    """data.files, data.split and data.val_fraction, as every file-reading dataset takes them; the paths."""
     files = [files] if isinstance(files, (str, os.PathLike)) else files
     if not files or not all(isinstance(f, (str, os.PathLike)) for f in files):
         raise ConfigError(f"data.files={files!r}: must be a non-empty list of paths")
     if split not in ("train", "val"):
         raise ConfigError(f"data.split={split!r}: choose train or val")
-    if task not in TASKS:
-        raise ConfigError(f"data.task={task!r}: choose one of {', '.join(TASKS)} (it follows model.task)")
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-        raise ConfigError(f"data.block_size={block_size!r}: must be an integer >= 1")
     if not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
         raise ConfigError(f"data.val_fraction={val_fraction!r}: must be in [0, 1)")
-    if task == "masked_lm" and not (isinstance(mlm_probability, (int, float)) and 0 < mlm_probability <= 1):
-        raise ConfigError(f"data.mlm_probability={mlm_probability!r}: must be in (0, 1]")
     return [str(f) for f in files]
 
 

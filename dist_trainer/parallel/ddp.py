@@ -149,11 +149,11 @@ class DDPStrategy:
     def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> Tuple[Dict[str, Any], None]:
         """(what rank 0 writes into shared.pt, nothing sharded): the FP32 model and optimizer.
 
-        Frozen parameters (a LoRA model's base) are left out: the model is built
-        with them, and the checkpoint records their digest (run.frozen_digest).
+        Frozen parameters (a LoRA model's base) are left out, not even copied:
+        the model is built with them, and the checkpoint records their digest
+        (checkpoint.frozen_digest).
         """
-        frozen = frozen_names(self.module)
-        model = {k: v for k, v in self.full_state_dict().items() if k not in frozen}
+        model = self.weights.fp32_state_dict(self.module, leave_out=frozen_names(self.module))
         return {"model": model, "optimizer": optimizer.state_dict()}, None
 
     def load_checkpoint_state(self, optimizer: torch.optim.Optimizer, saved: Dict[str, Any],
