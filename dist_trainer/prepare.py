@@ -13,13 +13,17 @@ files always give the same split), to ``DIR/val.bin``. ``DIR/meta.json``
 records the tokenizer, dtype, vocabulary size, end-of-text id, token and
 document counts and each file's sha256.
 
-Tokenizers: ``bytes`` (ids 0-255 are the bytes of the UTF-8 text, 256 ends a
-document: vocabulary 257, no files needed), or a Hugging Face ``tokenizers``
-file (``tokenizer.json``, or a directory holding one; needs the tokenizers
-package). Documents are tokenized in ``--workers`` processes, in chunks, with a
-progress bar. Everything is written into a temporary directory beside DIR and
-renamed to DIR only when complete: a killed prepare leaves no DIR that looks
-finished.
+Tokenizers (``dist_trainer.hf.tokenizer.load_tokenizer``, the loader data=hf_text
+and hf_chat use): ``bytes`` (ids 0-255 are the bytes of the UTF-8 text, 256
+ends a document; the vocabulary is 259, with 257 and 258 the padding and mask
+tokens hf_text uses, which never appear here; no package needed), or a Hugging
+Face ``tokenizers`` file (``tokenizer.json``, or a directory holding one; needs
+the tokenizers package). The text of a special token inside a document is
+text. Batches of documents are tokenized in the library's threads
+(``--workers``), the next batch read while one is tokenized; a document longer
+than 32 K characters is tokenized in pieces, in parallel, with the ids it has
+whole. Everything is written into a temporary directory beside DIR and renamed
+to DIR only when complete: a killed prepare leaves no DIR that looks finished.
 """
 
 from __future__ import annotations
@@ -27,23 +31,32 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import multiprocessing as mp
 import os
 import shutil
 import sys
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from itertools import islice
 from pathlib import Path
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .checkpoint import sha256_file
+from .config import ConfigError
+
+if TYPE_CHECKING:
+    from .hf.tokenizer import TextTokenizer
 
 BYTES_EOT = 256
-CHUNK_DOCS = 256  # documents per task sent to a worker
+BATCH_DOCS, BATCH_CHARS = 1000, 8_000_000  # a batch of documents ends at either
+JSONL_LINES = 1000  # parsed in one json.loads call: half the time of one call per line
+# Batches in the library at once: while one thread turns a batch's ids into arrays
+# (holding the GIL), the other's batch keeps the library's threads busy.
+TOKENIZING_THREADS = 2
 
 
-class PrepareError(ValueError):
+class PrepareError(ConfigError):
     """Bad input to prepare: the message names the option or file to fix."""
 
 
@@ -53,18 +66,7 @@ def documents(files: Sequence[Path], text_key: str, split_lines: bool) -> Iterat
         if not path.is_file():
             raise PrepareError(f"{path}: no such file")
         if suffix == ".jsonl":
-            with open(path, encoding="utf-8") as f:
-                for number, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except ValueError as err:
-                        raise PrepareError(f"{path}:{number}: not a JSON line ({err})") from err
-                    if text_key not in record:
-                        raise PrepareError(f"{path}:{number}: no {text_key!r} field (set --text-key; "
-                                           f"the line has {sorted(record)[:8]})")
-                    yield str(record[text_key])
+            yield from _jsonl(path, text_key)
         elif suffix == ".parquet":
             try:
                 import pyarrow.parquet as pq
@@ -83,74 +85,49 @@ def documents(files: Sequence[Path], text_key: str, split_lines: bool) -> Iterat
                 yield text
 
 
-class Tokenizer:
-    """``bytes``, or a Hugging Face tokenizers file; picklable by its spec, loaded once per process."""
-
-    def __init__(self, spec: str):
-        self.spec = spec
-        self._hf = None
-        if spec == "bytes":
-            self.name, self.vocab_size, self.eot = "bytes", BYTES_EOT + 1, BYTES_EOT
-            return
-        path = Path(spec)
-        if path.is_dir():
-            path = path / "tokenizer.json"
-        if not path.is_file():
-            raise PrepareError(f"--tokenizer {spec}: not 'bytes', nor a tokenizer.json or a directory holding one")
-        self.path = path
-        hf = self._load()
-        self.name, self.vocab_size = str(path), hf.get_vocab_size()
-        eot = next((hf.token_to_id(t) for t in ("<|endoftext|>", "</s>", "[SEP]", "<eos>") if hf.token_to_id(t) is not None),
-                   None)
-        if eot is None:
-            raise PrepareError(f"--tokenizer {spec}: it has no end-of-text token (<|endoftext|>, </s>, [SEP], <eos>)")
-        self.eot = eot
-
-    def _load(self):
-        if self._hf is None:
+def _jsonl(path: Path, text_key: str) -> Iterator[str]:
+    """The ``text_key`` field of each line, JSONL_LINES lines parsed in one call."""
+    with open(path, encoding="utf-8") as f:
+        first = 1  # the number of the chunk's first line
+        while lines := list(islice(f, JSONL_LINES)):
+            filled = [line for line in lines if line.strip()]
             try:
-                from tokenizers import Tokenizer as HFTokenizer
-            except ImportError as err:
-                raise PrepareError("--tokenizer PATH needs the tokenizers package (pip install tokenizers), "
-                                   "or use --tokenizer bytes") from err
-            try:
-                self._hf = HFTokenizer.from_file(str(self.path))
-            except Exception as err:  # the library's own error type varies
-                raise PrepareError(f"--tokenizer {self.spec}: cannot be read ({err})") from err
-        return self._hf
-
-    def __getstate__(self):
-        return {**self.__dict__, "_hf": None}
-
-    def encode(self, docs: List[str]) -> List[np.ndarray]:
-        if self.spec == "bytes":
-            return [np.frombuffer(d.encode("utf-8"), dtype=np.uint8).astype(np.uint32) for d in docs]
-        return [np.asarray(e.ids, dtype=np.uint32) for e in self._load().encode_batch(docs, add_special_tokens=False)]
+                records = json.loads("[" + ",".join(filled) + "]")
+                texts = [str(r[text_key]) for r in records] if len(records) == len(filled) else None
+            except (ValueError, TypeError, KeyError):
+                texts = None
+            if texts is None:  # something in these lines is wrong: find it, line by line
+                texts = [_jsonl_line(path, number, line, text_key)
+                         for number, line in enumerate(lines, first) if line.strip()]
+            yield from texts
+            first += len(lines)
 
 
-_WORKER: dict = {}
+def _jsonl_line(path: Path, number: int, line: str, text_key: str) -> str:
+    try:
+        record = json.loads(line)
+    except ValueError as err:
+        raise PrepareError(f"{path}:{number}: not a JSON line ({err})") from err
+    if not isinstance(record, dict):
+        raise PrepareError(f"{path}:{number}: not a JSON object but {type(record).__name__}")
+    if text_key not in record:
+        raise PrepareError(f"{path}:{number}: no {text_key!r} field (set --text-key; "
+                           f"the line has {sorted(record)[:8]})")
+    return str(record[text_key])
 
 
-def _init(tokenizer: Tokenizer) -> None:
-    _WORKER["tokenizer"] = tokenizer
-
-
-def _encode(chunk: Tuple[int, List[str]]) -> Tuple[int, List[np.ndarray], int]:
-    start, docs = chunk
-    tokenizer = _WORKER["tokenizer"]
-    return start, tokenizer.encode(docs), sum(len(d) for d in docs)
-
-
-def _chunks(docs: Iterator[str]) -> Iterator[Tuple[int, List[str]]]:
+def batched(docs: Iterable[str], max_docs: int = BATCH_DOCS, max_chars: int = BATCH_CHARS) -> Iterator[List[str]]:
+    """Lists of consecutive documents, each ending at ``max_docs`` documents or ``max_chars`` characters."""
     batch: List[str] = []
-    start = 0
+    chars = 0
     for doc in docs:
         batch.append(doc)
-        if len(batch) == CHUNK_DOCS:
-            yield start, batch
-            start, batch = start + len(batch), []
+        chars += len(doc)
+        if len(batch) == max_docs or chars >= max_chars:
+            yield batch
+            batch, chars = [], 0
     if batch:
-        yield start, batch
+        yield batch
 
 
 def held_out(index: int, fraction: float) -> bool:
@@ -161,8 +138,80 @@ def held_out(index: int, fraction: float) -> bool:
     return int.from_bytes(digest[:8], "little") / 2**64 < fraction
 
 
+def token_dtype(vocab_size: int) -> Any:
+    return np.uint16 if vocab_size <= 2**16 else np.uint32
+
+
+def write_token_files(out: Path, batches: Iterable[List[str]], tok: "TextTokenizer", val_fraction: float,
+                      progress: bool = True, desc: str = "tokenizing") -> Dict[str, Any]:
+    """Each document's ids then end-of-text, into ``out/train.bin`` or (held out) ``out/val.bin``, in order.
+
+    The library tokenizes a batch in its own threads, without the GIL, while
+    this thread reads the next batch and writes the one before: reading and
+    writing cost no time of their own. Returns the meta the files need
+    (dtype, vocabulary, end-of-text, per split: tokens, documents, sha256).
+    """
+    from tqdm import tqdm
+
+    dtype = token_dtype(tok.vocab_size)
+    eos = np.array([tok.eos_id], dtype=dtype)
+    counts = {"train": [0, 0], "val": [0, 0]}  # tokens, documents
+    digests = {split: hashlib.sha256() for split in counts}
+    index, chars, started = 0, 0, time.perf_counter()
+    with tqdm(unit="doc", desc=desc, disable=not progress, file=sys.stderr) as bar, \
+            open(out / "train.bin", "wb") as train, open(out / "val.bin", "wb") as val, \
+            ThreadPoolExecutor(TOKENIZING_THREADS, thread_name_prefix="tokenize") as pool:
+        files = {"train": train, "val": val}
+
+        def write(encoded: Tuple[np.ndarray, np.ndarray]) -> None:
+            nonlocal index
+            ids, lengths = encoded
+            held = np.fromiter((held_out(index + i, val_fraction) for i in range(lengths.size)), dtype=bool,
+                               count=lengths.size)
+            index += lengths.size
+            stream = np.insert(ids.astype(dtype), np.cumsum(lengths), eos)  # end-of-text after each document
+            in_val = np.repeat(held, lengths + 1)
+            for split, chosen in (("train", ~in_val), ("val", in_val)):
+                data = stream[chosen].tobytes()
+                files[split].write(data)
+                digests[split].update(data)
+                counts[split][0] += len(data) // stream.itemsize
+                counts[split][1] += int(held.sum()) if split == "val" else int((~held).sum())
+            bar.update(lengths.size)
+
+        pending: deque = deque()
+        for docs in batches:
+            pending.append(pool.submit(tok.encode_flat, docs))
+            chars += sum(map(len, docs))
+            if len(pending) > TOKENIZING_THREADS:  # batches in the library's hands, the oldest written meanwhile
+                write(pending.popleft().result())
+        while pending:
+            write(pending.popleft().result())
+        for f in (train, val):
+            f.flush()
+            os.fsync(f.fileno())
+    seconds = time.perf_counter() - started
+    tokens = counts["train"][0] + counts["val"][0]
+    return {"dtype": np.dtype(dtype).name, "vocab_size": tok.vocab_size, "eot_id": int(tok.eos_id),
+            **{split: {"tokens": counts[split][0], "documents": counts[split][1],
+                       "sha256": digests[split].hexdigest()} for split in counts},
+            "characters": chars, "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9)}
+
+
+def load(tokenizer_spec: str) -> "TextTokenizer":
+    """The tokenizer, its errors naming --tokenizer."""
+    try:
+        from .hf.tokenizer import load_tokenizer
+
+        return load_tokenizer(tokenizer_spec, key="--tokenizer")
+    except ConfigError as err:
+        raise PrepareError(str(err)) from err
+    except ImportError as err:
+        raise PrepareError(f"--tokenizer {tokenizer_spec}: {err}; or use --tokenizer bytes") from err
+
+
 def prepare(files: Sequence[Path], out: Path, tokenizer_spec: str, val_fraction: float = 0.0,
-            workers: int = 1, text_key: str = "text", split_lines: bool = False, force: bool = False,
+            text_key: str = "text", split_lines: bool = False, force: bool = False,
             progress: bool = True) -> dict:
     if not files:
         raise PrepareError("no input FILE given")
@@ -170,52 +219,16 @@ def prepare(files: Sequence[Path], out: Path, tokenizer_spec: str, val_fraction:
         raise PrepareError(f"--val-fraction {val_fraction}: must be in [0, 1)")
     if out.exists() and not force:
         raise PrepareError(f"--out {out} exists: remove it, or pass --force to replace it")
-    tokenizer = Tokenizer(tokenizer_spec)
-    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+    tok = load(tokenizer_spec)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    counts = {"train": [0, 0], "val": [0, 0]}  # tokens, documents
-    started, chars = time.perf_counter(), 0
     try:
-        from tqdm import tqdm
-
-        bar = tqdm(unit="doc", desc="tokenizing", disable=not progress, file=sys.stderr)
-        with open(tmp / "train.bin", "wb") as train, open(tmp / "val.bin", "wb") as val:
-            pool = mp.get_context("spawn").Pool(workers, _init, (tokenizer,)) if workers > 1 else None
-            try:
-                chunks = _chunks(documents(files, text_key, split_lines))
-                if pool is None:
-                    _init(tokenizer)
-                    results = map(_encode, chunks)
-                else:
-                    results = pool.imap(_encode, chunks, chunksize=1)  # in order
-                for start, encoded, n_chars in results:
-                    chars += n_chars
-                    for i, ids in enumerate(encoded):
-                        split = "val" if held_out(start + i, val_fraction) else "train"
-                        data = np.append(ids, tokenizer.eot).astype(dtype)
-                        (val if split == "val" else train).write(data.tobytes())
-                        counts[split][0] += data.size
-                        counts[split][1] += 1
-                    bar.update(len(encoded))
-            finally:
-                if pool is not None:
-                    pool.terminate()
-            for f in (train, val):
-                f.flush()
-                os.fsync(f.fileno())
-        bar.close()
-        seconds = time.perf_counter() - started
-        if counts["train"][0] == 0:
+        written = write_token_files(tmp, batched(documents(files, text_key, split_lines)), tok, val_fraction,
+                                    progress)
+        if written["train"]["tokens"] == 0:
             raise PrepareError("no document went to train.bin (empty input, or --val-fraction too high)")
-        meta = {"tokenizer": tokenizer.name, "dtype": np.dtype(dtype).name, "vocab_size": tokenizer.vocab_size,
-                "eot_id": int(tokenizer.eot), "inputs": [str(f) for f in files],
-                "train": {"tokens": counts["train"][0], "documents": counts["train"][1],
-                          "sha256": sha256_file(tmp / "train.bin")},
-                "val": {"tokens": counts["val"][0], "documents": counts["val"][1], "sha256": sha256_file(tmp / "val.bin")},
-                "val_fraction": val_fraction, "characters": chars, "seconds": seconds,
-                "tokens_per_s": (counts["train"][0] + counts["val"][0]) / max(seconds, 1e-9)}
+        meta = {"tokenizer": tok.spec, "inputs": [str(f) for f in files], "val_fraction": val_fraction, **written}
         with open(tmp / "meta.json", "w") as f:
             json.dump(meta, f, indent=1)
             f.flush()
@@ -236,15 +249,18 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--tokenizer", default="bytes", help="bytes, or a tokenizer.json (or its directory)")
     parser.add_argument("--val-fraction", type=float, default=0.0, help="documents held out for val.bin")
     parser.add_argument("--workers", type=int, default=None,
-                        help="tokenizing processes (default: one per CPU for a tokenizer file; 1 for bytes, "
-                             "which is faster than sending the documents to other processes)")
+                        help="threads the tokenizers library encodes in (default: one per CPU; "
+                             "bytes needs none)")
     parser.add_argument("--text-key", default="text", help="field of jsonl lines, column of parquet files")
     parser.add_argument("--split-lines", action="store_true", help="each line of a .txt file is a document")
     parser.add_argument("--force", action="store_true", help="replace --out if it exists")
     args = parser.parse_args(argv)
     try:
-        workers = args.workers or (1 if args.tokenizer == "bytes" else max(1, os.cpu_count() or 1))
-        meta = prepare(args.files, args.out, args.tokenizer, args.val_fraction, workers, args.text_key,
+        if args.workers is not None:
+            if args.workers < 1:
+                raise PrepareError(f"--workers {args.workers}: must be >= 1")
+            os.environ["RAYON_NUM_THREADS"] = str(args.workers)  # read when the library first encodes
+        meta = prepare(args.files, args.out, args.tokenizer, args.val_fraction, args.text_key,
                        args.split_lines, args.force)
     except PrepareError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -63,7 +63,7 @@ def train(files: Sequence[str], vocab_size: int, out: Path, min_frequency: int =
             raise ConfigError(f"{' '.join(files)}: no text to train on")
         tok = train_bpe(batches(), vocab_size, min_frequency)
         sample = [doc for batch in islice(batches(), SAMPLE_BATCHES) for doc in batch]
-    tokens = sum(ids.size for ids in tok.encode_batch(sample))
+    tokens = sum(ids.size for ids in tok.encode_text(sample))
     tok.save(out)
     return tok, tokens / max(1, sum(map(len, sample)))
 

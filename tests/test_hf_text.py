@@ -17,7 +17,7 @@ import torch
 from dist_trainer.config import ConfigError
 from dist_trainer.hf import text as hf_text_module
 from dist_trainer.hf.text import _tokenize, build_cache, cache_key, cache_root, hf_text, resolve_files
-from dist_trainer.hf.tokenizer import TextTokenizer, load_tokenizer
+from dist_trainer.hf.tokenizer import BytesTokenizer, TextTokenizer, load_tokenizer
 from dist_trainer.prepare import held_out
 from helpers import run_ranks
 
@@ -94,6 +94,36 @@ def test_bytes_tokenizer_maps_utf8_to_its_bytes_and_reloads_with_auto_tokenizer(
     assert [auto(t)["input_ids"] for t in texts] == [list(t.encode()) for t in texts]
     again = load_tokenizer(str(tmp_path / "bytes_tok"))
     assert again.to_json() == tok.to_json() and (again.eos_id, again.pad_id, again.mask_id) == (256, 257, 258)
+
+
+def test_a_long_document_is_cut_only_where_the_ids_stay_those_of_the_whole(tmp_path):
+    """466 KB of text as one document: tokenized in pieces, in parallel, with the ids it has whole."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from dist_trainer.datasets import reference_text_bytes
+    from dist_trainer.hf.tokenizer import _cuts, train_bpe
+
+    text = reference_text_bytes().decode()
+    cuts = _cuts(text)
+    assert len(cuts) >= 10 and all(text[c - 1] == "\n" and not text[c].isspace() for c in cuts)
+    train_bpe([paragraphs(300)], 512).save(tmp_path / "bpe")
+    tok = load_tokenizer(str(tmp_path / "bpe"))
+    whole = Tokenizer.from_file(str(tmp_path / "bpe" / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    (ids,) = tok.encode_text([text])
+    assert ids.tolist() == whole and tok._cuts_hold  # cut, and every cut held
+
+    # Metaspace marks the text's first word only: cut there, each piece would gain a mark.
+    meta = Tokenizer(models.BPE(unk_token="<unk>"))
+    meta.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    meta.train_from_iterator(paragraphs(300), trainers.BpeTrainer(vocab_size=400, show_progress=False,
+                                                                   special_tokens=["<|endoftext|>", "<unk>"]))
+    whole = meta.encode(text, add_special_tokens=False).ids
+    bounds = [0, *cuts, len(text)]
+    naive = [t for a, b in zip(bounds, bounds[1:]) for t in meta.encode(text[a:b], add_special_tokens=False).ids]
+    assert naive != whole  # what an unchecked cut would write
+    spaced = TextTokenizer(meta, "metaspace")
+    (ids,) = spaced.encode_text([text])
+    assert ids.tolist() == whole and not spaced._cuts_hold  # the check saw it, and kept the document whole
 
 
 def test_tokenizer_cli_trains_a_bpe_that_auto_tokenizer_loads_alike(tmp_path, capsys):
@@ -242,8 +272,8 @@ def test_masking_rates_and_the_80_10_10_split(masked):
 
 def test_the_cache_is_reused_and_keyed_by_the_inputs(tmp_path, monkeypatch, caplog):
     calls = []
-    encode = TextTokenizer.encode_batch
-    monkeypatch.setattr(TextTokenizer, "encode_batch", lambda self, docs: calls.append(len(docs)) or encode(self, docs))
+    encode = BytesTokenizer.encode_flat
+    monkeypatch.setattr(BytesTokenizer, "encode_flat", lambda self, docs: calls.append(len(docs)) or encode(self, docs))
     path = write(tmp_path / "a.txt", paragraphs(40))
     kwargs = {"files": [str(path)], "block_size": 16, "val_fraction": 0.2, "cache_dir": str(tmp_path / "cache")}
     with caplog.at_level(logging.INFO, logger="dist_trainer"):
@@ -267,7 +297,7 @@ def test_a_cache_renamed_first_by_another_process_is_kept(tmp_path, monkeypatch)
     path = write(tmp_path / "a.txt", paragraphs(10))
     tok, sources = load_tokenizer("bytes"), resolve_files([str(path)], None)
     directory = tmp_path / "hf_text" / cache_key(sources, tok, "text", 0.0)
-    encode, outcomes = TextTokenizer.encode_batch, []
+    encode, outcomes = BytesTokenizer.encode_flat, []
     write_tokens = lambda tmp: _tokenize(tmp, sources, tok, "text", 0.0, progress=False)  # noqa: E731
 
     def racing(self, docs):  # while this build tokenizes, another one finishes
@@ -276,7 +306,7 @@ def test_a_cache_renamed_first_by_another_process_is_kept(tmp_path, monkeypatch)
             outcomes.append(build_cache(directory, write_tokens))
         return encode(self, docs)
 
-    monkeypatch.setattr(TextTokenizer, "encode_batch", racing)
+    monkeypatch.setattr(BytesTokenizer, "encode_flat", racing)
     assert build_cache(directory, write_tokens) == "theirs" and outcomes[1] == "written"
     assert sorted(p.name for p in directory.parent.iterdir()) == [directory.name]  # no temporary left
     assert build_cache(directory, write_tokens) == "reused"
@@ -302,8 +332,8 @@ def _two_ranks(rank: int, world_size: int, tmp: str) -> dict:
     handler.emit = lambda record: records.append(record.getMessage())
     logger = logging.getLogger("dist_trainer")
     logger.addHandler(handler), logger.setLevel(logging.INFO)
-    encoded, encode = [], TextTokenizer.encode_batch  # documents this rank tokenized
-    TextTokenizer.encode_batch = lambda self, docs: encoded.append(len(docs)) or encode(self, docs)
+    encoded, encode = [], BytesTokenizer.encode_flat  # documents this rank tokenized
+    BytesTokenizer.encode_flat = lambda self, docs: encoded.append(len(docs)) or encode(self, docs)
     good, out = os.path.join(tmp, "docs.jsonl"), {}
     os.environ["LOCAL_RANK"] = str(rank)  # one node: as torchrun would set it
     data = hf_text([good], 32, val_fraction=0.2, cache_dir=os.path.join(tmp, "one_node"))

@@ -2,8 +2,10 @@
 
 * prepare: the bytes tokenizer writes every document's bytes then the
   end-of-text id, in order; held-out documents go to val.bin by a hash of
-  their index; meta.json records counts and sha256; 2 workers write exactly
-  what 1 does; a bad input (a jsonl line without the field) and a killed
+  their index; meta.json records counts and sha256; the files are byte for
+  byte those the previous prepare (its own bytes tokenizer, before the one
+  loader) wrote; a BPE's files are the library's ids of each document, and
+  equal to what data=hf_text writes; a bad input (a jsonl line without the field) and a killed
   prepare leave no directory that looks complete;
 * data=tokens: sample i is tokens [i*B, (i+1)*B + 1) of the file, and the
   micro-batches the framework builds for a step are those tokens: the text;
@@ -21,7 +23,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -51,31 +52,67 @@ def _expected(docs, keep) -> np.ndarray:
 
 def test_prepare_writes_the_documents_bytes_and_a_complete_meta(corpus, tmp_path):
     out = tmp_path / "tok"
-    meta = prepare([corpus], out, "bytes", val_fraction=0.2, workers=1, progress=False)
+    meta = prepare([corpus], out, "bytes", val_fraction=0.2, progress=False)
     train = np.fromfile(out / "train.bin", dtype=np.uint16)
     val = np.fromfile(out / "val.bin", dtype=np.uint16)
     assert np.array_equal(train, _expected(DOCS, lambda i: not held_out(i, 0.2)))
     assert np.array_equal(val, _expected(DOCS, lambda i: held_out(i, 0.2)))
     assert 0 < meta["val"]["documents"] < 30 and meta["train"]["documents"] + meta["val"]["documents"] == 60
     on_disk = json.loads((out / "meta.json").read_text())
-    assert on_disk["dtype"] == "uint16" and on_disk["vocab_size"] == 257 and on_disk["eot_id"] == BYTES_EOT
+    # 259: the loader's bytes tokenizer also holds <pad> and <mask> (hf_text's); ids here stop at 256.
+    assert on_disk["dtype"] == "uint16" and on_disk["vocab_size"] == 259 and on_disk["eot_id"] == BYTES_EOT
     assert on_disk["train"]["tokens"] == train.size and on_disk["val"]["tokens"] == val.size
     import hashlib
     assert on_disk["train"]["sha256"] == hashlib.sha256((out / "train.bin").read_bytes()).hexdigest()
     assert not list(tmp_path.glob(".tok.tmp-*"))
-    # Two processes write exactly what one does.
-    again = prepare([corpus], tmp_path / "tok2", "bytes", val_fraction=0.2, workers=2, progress=False)
-    assert (tmp_path / "tok2" / "train.bin").read_bytes() == (out / "train.bin").read_bytes()
-    assert again["train"]["sha256"] == meta["train"]["sha256"]
+    # What prepare wrote for this corpus before it shared hf_text's tokenizer loader (f4e1da5).
+    assert (meta["train"]["sha256"], meta["val"]["sha256"]) == (
+        "4ae8392f21dbbb327afd5d46936fdb942737863918770e73358dc8f3213626d8",
+        "098af80337b945afabe16a77259f67e19df3dd61583d1260be10c21f32e78756")
+
+
+def test_prepare_with_a_bpe_writes_the_library_ids_and_what_hf_text_writes(tmp_path):
+    from tokenizers import Tokenizer
+
+    from dist_trainer.hf.text import hf_text
+    from dist_trainer.hf.tokenizer import train_bpe
+
+    train_bpe([DOCS], 300).save(tmp_path / "bpe")
+    saved = Tokenizer.from_file(str(tmp_path / "bpe" / "tokenizer.json"))
+    saved.enable_truncation(8)  # a classifier's settings: a document is still written whole, unpadded
+    saved.enable_padding(length=64, pad_id=1, pad_token="<pad>")
+    saved.save(str(tmp_path / "bpe" / "tokenizer.json"))
+    # Special tokens' text inside a document is text: not <|endoftext|>'s id, nor <mask>'s.
+    docs = [*DOCS, "the end: <|endoftext|> of a <mask> tag"]
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    meta = prepare([corpus], tmp_path / "tok", str(tmp_path / "bpe"), val_fraction=0.2, progress=False)
+    library = Tokenizer.from_file(str(tmp_path / "bpe" / "tokenizer.json"))
+    library.no_truncation(), library.no_padding()
+    ids = [library.encode(d, add_special_tokens=False).ids for d in docs]
+    assert max(map(len, ids)) > 8 and min(map(len, ids)) < 64  # what truncation, padding would change
+    assert 0 in ids[-1] and 2 in ids[-1]  # the library's default: the special ids
+    library.encode_special_tokens = True
+    ids[-1] = library.encode(docs[-1], add_special_tokens=False).ids
+    assert 0 not in ids[-1] and 2 not in ids[-1]
+    for split, keep in (("train", lambda i: not held_out(i, 0.2)), ("val", lambda i: held_out(i, 0.2))):
+        want = [t for i, doc_ids in enumerate(ids) if keep(i) for t in [*doc_ids, 0]]  # <|endoftext|> is 0
+        assert np.fromfile(tmp_path / "tok" / f"{split}.bin", dtype=np.uint16).tolist() == want
+    assert (meta["vocab_size"], meta["eot_id"], meta["dtype"]) == (library.get_vocab_size(), 0, "uint16")
+    # data=hf_text, through the same loader and writer: the same files.
+    data = hf_text([str(corpus)], 16, tokenizer=str(tmp_path / "bpe"), val_fraction=0.2,
+                   cache_dir=str(tmp_path / "cache"))
+    for split in ("train", "val"):
+        assert (data.path.parent / f"{split}.bin").read_bytes() == (tmp_path / "tok" / f"{split}.bin").read_bytes()
 
 
 def test_prepare_bad_input_leaves_nothing(corpus, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(corpus.read_text() + json.dumps({"body": "no text field"}) + "\n")
     with pytest.raises(PrepareError, match=r"bad\.jsonl:61: no 'text' field \(set --text-key"):
-        prepare([bad], tmp_path / "out", "bytes", workers=1, progress=False)
+        prepare([bad], tmp_path / "out", "bytes", progress=False)
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
-    with pytest.raises(PrepareError, match="--tokenizer nope"):
+    with pytest.raises(PrepareError, match="--tokenizer=nope: no such file"):
         prepare([corpus], tmp_path / "out", "nope", progress=False)
     (tmp_path / "out").mkdir()
     with pytest.raises(PrepareError, match="--force"):
@@ -100,7 +137,7 @@ def test_a_killed_prepare_leaves_no_directory_that_looks_complete(tmp_path):
 
 def test_samples_are_the_files_tokens_and_a_step_trains_on_the_text(corpus, tmp_path):
     out = tmp_path / "tok"
-    prepare([corpus], out, "bytes", workers=1, progress=False)
+    prepare([corpus], out, "bytes", progress=False)
     tokens = np.fromfile(out / "train.bin", dtype=np.uint16).astype(np.int64)
     block = 16
     data = token_file(str(out / "train.bin"), block, vocab_size=257)
@@ -124,7 +161,7 @@ def test_samples_are_the_files_tokens_and_a_step_trains_on_the_text(corpus, tmp_
 
 def test_two_ranks_train_on_a_prepared_file(corpus, tmp_path):
     out = tmp_path / "tok"
-    prepare([corpus] * 8, out, "bytes", val_fraction=0.1, workers=1, progress=False)
+    prepare([corpus] * 8, out, "bytes", val_fraction=0.1, progress=False)
     proc = run_module(["data=tokens", f"data.path={out / 'train.bin'}", f"data.val_path={out / 'val.bin'}",
                        "model.vocab_size=257", "model.n_layer=1", "model.n_embd=32", "model.n_head=2",
                        "data.block_size=32", "batch.micro_batch_size=8", "batch.global_batch_size=32",

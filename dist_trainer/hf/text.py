@@ -2,7 +2,8 @@
 
 Formats: ``text`` (a document per paragraph), ``json`` (json, jsonl),
 ``parquet``, ``csv``; ``data.text_key`` names the column. Each document is
-tokenized and followed by end-of-text, into prepare.py's token files
+tokenized (``TextTokenizer.encode_text``: the text of a special token is text)
+and followed by end-of-text, into token files written as prepare.py writes them
 (train.bin, val.bin, meta.json), documents held out by a hash of their index.
 These are a cache, ``<cache>/hf_text/<sha256 of the files' paths, sizes and
 mtimes, the tokenizer, formats, text_key, val_fraction>``. Under
@@ -21,8 +22,6 @@ import logging
 import os
 import shutil
 import socket
-import sys
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +36,7 @@ from .. import distributed
 from ..config import ConfigError
 from ..data import hash_key
 from ..datasets import IGNORE_INDEX
-from ..prepare import held_out
+from ..prepare import write_token_files
 from ..tokens import TokenFile
 from .tokenizer import TextTokenizer, load_tokenizer
 
@@ -50,8 +49,10 @@ EXTENSIONS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json"
 # A text file's document is a paragraph; a csv's "NA" or "null" is text, not a missing value.
 EXTRA = {"text": {"sample_by": "paragraph"}, "csv": {"na_filter": False}}
 TASKS = ("causal_lm", "masked_lm")
-BATCH_DOCS = 1000  # documents per encode_batch call
-CACHE_VERSION = 1  # part of the key: a change to the files' layout builds new caches
+BATCH_DOCS = 1000  # documents per encode_text call
+# Part of the key: a change to the files' layout or to their ids builds new caches.
+# 2: the text of a special token inside a document is text (it was the special id).
+CACHE_VERSION = 2
 OUTCOMES = {"reused": "reused", "written": "wrote", "theirs": "another process wrote first; using"}  # build_cache's
 
 
@@ -138,33 +139,12 @@ def _global_rank() -> int:
 
 def _tokenize(out: Path, sources: Sources, tok: TextTokenizer, text_key: str,
               val_fraction: float, progress: bool) -> Dict[str, Any]:
-    """Write out/train.bin and out/val.bin; return their meta."""
-    from tqdm import tqdm
-
-    dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
-    eos = np.array([tok.eos_id], dtype=dtype)
-    counts = {"train": [0, 0], "val": [0, 0]}  # tokens, documents
-    index, chars, started = 0, 0, time.perf_counter()
-    with tqdm(unit="doc", desc="tokenizing data.files", disable=not progress, file=sys.stderr) as bar, \
-            open(out / "train.bin", "wb") as train, open(out / "val.bin", "wb") as val:
-        for docs in read_documents(sources, text_key, out / "datasets"):
-            for ids in tok.encode_batch(docs):
-                split = "val" if held_out(index, val_fraction) else "train"
-                data = np.concatenate([ids.astype(dtype), eos])
-                (val if split == "val" else train).write(data.tobytes())
-                counts[split][0] += data.size
-                counts[split][1] += 1
-                index += 1
-            chars += sum(map(len, docs))
-            bar.update(len(docs))
-        for f in (train, val):
-            f.flush()
-            os.fsync(f.fileno())
+    """Write out/train.bin and out/val.bin as prepare does; return their meta."""
+    written = write_token_files(out, read_documents(sources, text_key, out / "datasets"), tok, val_fraction,
+                                progress, desc="tokenizing data.files")
     shutil.rmtree(out / "datasets", ignore_errors=True)  # datasets' arrow copies: the token files are the cache
-    return {"tokenizer": tok.spec, "dtype": np.dtype(dtype).name, "vocab_size": tok.vocab_size,
-            "eot_id": int(tok.eos_id), "inputs": [[str(p), fmt] for p, fmt in sources], "text_key": text_key,
-            "val_fraction": val_fraction, "characters": chars, "seconds": time.perf_counter() - started,
-            **{s: {"tokens": counts[s][0], "documents": counts[s][1]} for s in counts},
+    return {"tokenizer": tok.spec, "inputs": [[str(p), fmt] for p, fmt in sources], "text_key": text_key,
+            "val_fraction": val_fraction, **written,
             "written_by": {"host": socket.gethostname(), "pid": os.getpid(), "rank": _global_rank()}}
 
 

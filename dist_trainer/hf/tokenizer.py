@@ -1,26 +1,38 @@
-"""Tokenizers for ``data=hf_text``: ``bytes``, or a Hugging Face ``tokenizers`` file.
+"""The one tokenizer loader: ``prepare``, ``data=hf_text``, ``data=hf_chat`` and export use it.
 
-``load_tokenizer("bytes")`` builds a real ``tokenizers.Tokenizer`` in code: a
-byte-level BPE with no merges, so byte value b is id b and UTF-8 text maps to
-its bytes; ``<|endoftext|>`` is 256, ``<pad>`` 257, ``<mask>`` 258 (vocabulary
-259). Anything else is a ``tokenizer.json`` or a directory holding one (a
+``load_tokenizer("bytes")``: byte value b is id b, so UTF-8 text maps to its
+bytes; ``<|endoftext|>`` is 256, ``<pad>`` 257, ``<mask>`` 258 (vocabulary
+259). It encodes with numpy and needs no package; where a real
+``tokenizers.Tokenizer`` is wanted (to save it, to decode, to render chats) it
+is built in code: a byte-level BPE with no merges, which gives the same ids.
+Anything else is a ``tokenizer.json`` or a directory holding one (a
 ``save_pretrained`` directory, or what ``python -m dist_trainer.tokenizer``
-writes). Special tokens are found by name. ``TextTokenizer.save`` writes what
-``transformers.AutoTokenizer.from_pretrained`` needs, so a trained model's
-directory carries its tokenizer.
+writes); it needs the ``tokenizers`` package. Special tokens are found by name.
+``TextTokenizer.save`` writes what ``transformers.AutoTokenizer.from_pretrained``
+needs, so a trained model's directory carries its tokenizer.
+
+Two encodings:
+
+* ``encode_text``, for documents (prepare, hf_text): the text of a special
+  token in a document is text (an SVG ``<mask>`` tag is its characters, not the
+  mask id), and a document stays one sequence however long it is, but one
+  longer than PIECE_CHARS is cut at line breaks where the tokenizer is shown to
+  give the same ids on both sides (checked on a window around each cut), so
+  that its pieces are tokenized in parallel.
+* ``encode_batch``, for rendered chat templates (hf_chat, evaluate): special
+  tokens are matched, as ``transformers`` does.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from functools import cached_property
 from pathlib import Path
-from typing import Iterable, List, Optional, Sequence
+from itertools import chain
+from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
-try:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-except ImportError as err:  # the [hf] extra is not installed
-    raise ImportError("data=hf_text and the tokenizer CLI need the [hf] extra: pip install 'dist_trainer[hf]'") from err
 
 from ..config import ConfigError
 
@@ -30,6 +42,22 @@ MASK_NAMES = ("<mask>", "[MASK]")
 # What our own tokenizers hold, in this order right after their base vocabulary.
 SPECIAL_TOKENS = ["<|endoftext|>", "<pad>", "<mask>"]
 MIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # every byte, and the special tokens
+BYTES_EOS = 256
+
+PIECE_CHARS = 32_768  # a longer document is cut into pieces about this long, tokenized in parallel
+CHECK_CHARS = 256  # each cut is checked on this many characters either side of it
+# A cut candidate: right after a line break with non-space on both sides ("word\nWord").
+# Byte-level pre-tokenizers (GPT-2's, Llama 3's) always split there; other tokenizers are checked anyway.
+CUT = re.compile(r"(?<=\S\n)(?=\S)")
+
+
+def _tokenizers():
+    try:
+        import tokenizers
+    except ImportError as err:  # the [hf] extra is not installed
+        raise ImportError("a tokenizer file, hf_text, hf_chat and the tokenizer CLI need the tokenizers package: "
+                          "pip install 'dist_trainer[hf]'") from err
+    return tokenizers
 
 
 def byte_alphabet() -> List[str]:
@@ -39,17 +67,18 @@ def byte_alphabet() -> List[str]:
     return [chr(b) if b in printable else chr(next(spare)) for b in range(256)]
 
 
-def _bytes_tokenizer() -> Tokenizer:
+def _bytes_tokenizer() -> Any:
+    tk = _tokenizers()
     vocab = {char: b for b, char in enumerate(byte_alphabet())}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok = tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=[]))
     # No regex split: with no merges the split changes nothing but the cost.
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
+    tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = tk.decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL_TOKENS)  # 256, 257, 258
     return tok
 
 
-def _first_id(tok: Tokenizer, names: Sequence[str]) -> Optional[int]:
+def _first_id(tok: Any, names: Sequence[str]) -> Optional[int]:
     return next((tok.token_to_id(n) for n in names if tok.token_to_id(n) is not None), None)
 
 
@@ -64,7 +93,7 @@ DEFAULT_CHAT_TOKENS = ["<|im_start|>", "<|im_end|>"]
 class TextTokenizer:
     """A ``tokenizers.Tokenizer`` with the ids a language model needs (and, for chat data, its template)."""
 
-    def __init__(self, tok: Tokenizer, spec: str, key: str = "data.tokenizer", chat_template: Optional[str] = None):
+    def __init__(self, tok: Any, spec: str, key: str = "data.tokenizer", chat_template: Optional[str] = None):
         self.tok, self.spec, self.chat_template = tok, spec, chat_template
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self.eos_id = _first_id(tok, EOS_NAMES)
@@ -75,6 +104,7 @@ class TextTokenizer:
         named = {self.eos_id, self.pad_id, self.mask_id} - {None}
         marked = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
         self.special_ids = np.array(sorted(named | marked), dtype=np.int64)
+        self._cuts_hold = True  # until a cut's check fails: then this tokenizer's documents stay whole
 
     def token(self, token_id: Optional[int]) -> Optional[str]:
         return None if token_id is None else self.tok.id_to_token(token_id)
@@ -83,9 +113,66 @@ class TextTokenizer:
         """The tokenizer's full serialization (what makes two tokenizers the same)."""
         return self.tok.to_str()
 
-    def encode_batch(self, docs: List[str]) -> List[np.ndarray]:
-        """Token ids of each document, no special tokens added."""
-        return [np.asarray(e.ids, dtype=np.uint32) for e in self.tok.encode_batch_fast(docs, add_special_tokens=False)]
+    def encode_batch(self, texts: List[str]) -> List[np.ndarray]:
+        """Token ids of rendered text (a chat template's): special tokens' text is matched, nothing added."""
+        return [np.asarray(e.ids, dtype=np.uint32) for e in self.tok.encode_batch_fast(texts, add_special_tokens=False)]
+
+    @cached_property
+    def _text_tok(self) -> Any:
+        """The same tokenizer, reading the text of special tokens as text, and never cutting a document short.
+
+        A tokenizer.json may carry truncation or padding (for a classifier's
+        inputs, say): a document is tokenized whole, and nothing is added to it.
+        """
+        copy = _tokenizers().Tokenizer.from_str(self.tok.to_str())
+        copy.encode_special_tokens = True
+        copy.no_truncation()
+        copy.no_padding()
+        return copy
+
+    def _flat(self, texts: List[str]) -> Tuple[np.ndarray, np.ndarray]:
+        # _fast: no character offsets, which documents do not need.
+        encoded = self._text_tok.encode_batch_fast(texts, add_special_tokens=False)
+        lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+        ids = np.fromiter(chain.from_iterable(e.ids for e in encoded), dtype=np.uint32, count=int(lengths.sum()))
+        return ids, lengths
+
+    def _text_ids(self, texts: List[str]) -> List[np.ndarray]:
+        ids, lengths = self._flat(texts)
+        return np.split(ids, np.cumsum(lengths)[:-1])
+
+    def _plan(self, docs: List[str]) -> List[List[int]]:
+        return [_cuts(doc) if self._cuts_hold and len(doc) > PIECE_CHARS else [] for doc in docs]
+
+    def encode_flat(self, docs: List[str]) -> Tuple[np.ndarray, np.ndarray]:
+        """``encode_text``'s ids of all documents end to end, and each one's length (what a writer wants)."""
+        if any(self._plan(docs)):
+            return _joined(self.encode_text(docs))
+        return self._flat(docs)
+
+    def encode_text(self, docs: List[str]) -> List[np.ndarray]:
+        """Token ids of each document, as one sequence each; in one call of the library, in parallel."""
+        plan = self._plan(docs)
+        if not any(plan):
+            return self._text_ids(docs)
+        texts: List[str] = []
+        for doc, cuts in zip(docs, plan):
+            bounds = [0, *cuts, len(doc)]
+            texts += [doc[a:b] for a, b in zip(bounds, bounds[1:])]
+            for c in cuts:  # the check: a window across the cut, and its two sides
+                a, b = max(0, c - CHECK_CHARS), c + CHECK_CHARS
+                texts += [doc[a:b], doc[a:c], doc[c:b]]
+        ids = iter(self._text_ids(texts))
+        out = []
+        for doc, cuts in zip(docs, plan):
+            pieces = [next(ids) for _ in range(len(cuts) + 1)]
+            checks = [(next(ids), next(ids), next(ids)) for _ in cuts]
+            if all(np.array_equal(whole, np.concatenate(sides)) for whole, *sides in checks):
+                out.append(pieces[0] if len(pieces) == 1 else np.concatenate(pieces))
+            else:  # it joins across line breaks (a Metaspace that marks each start, say): never cut again
+                self._cuts_hold = False
+                out.append(self._text_ids([doc])[0])
+        return out
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=False)
@@ -108,6 +195,48 @@ class TextTokenizer:
         return out
 
 
+class BytesTokenizer(TextTokenizer):
+    """``bytes`` without a chat template: documents encoded by numpy, no package needed.
+
+    ``tok`` (the equal ``tokenizers.Tokenizer``) is built when something asks for it.
+    """
+
+    def __init__(self) -> None:
+        self.spec, self.chat_template = "bytes", None
+        self.vocab_size, self.eos_id, self.pad_id, self.mask_id = MIN_VOCAB, BYTES_EOS, BYTES_EOS + 1, BYTES_EOS + 2
+        self.special_ids = np.array([BYTES_EOS, BYTES_EOS + 1, BYTES_EOS + 2], dtype=np.int64)
+
+    @cached_property
+    def tok(self) -> Any:
+        return _bytes_tokenizer()
+
+    def encode_text(self, docs: List[str]) -> List[np.ndarray]:
+        return [np.frombuffer(doc.encode("utf-8"), dtype=np.uint8).astype(np.uint32) for doc in docs]
+
+    def encode_flat(self, docs: List[str]) -> Tuple[np.ndarray, np.ndarray]:
+        data = [doc.encode("utf-8") for doc in docs]
+        lengths = np.fromiter(map(len, data), dtype=np.int64, count=len(data))
+        return np.frombuffer(b"".join(data), dtype=np.uint8).astype(np.uint32), lengths
+
+
+def _joined(arrays: List[np.ndarray]) -> Tuple[np.ndarray, np.ndarray]:
+    lengths = np.array([a.size for a in arrays], dtype=np.int64)
+    return (np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.uint32)), lengths
+
+
+def _cuts(doc: str) -> List[int]:
+    """Where to cut a long document: the first candidate after every PIECE_CHARS characters."""
+    cuts: List[int] = []
+    start = PIECE_CHARS
+    while start < len(doc):
+        found = CUT.search(doc, start)
+        if found is None:
+            break
+        cuts.append(found.start())
+        start = found.start() + PIECE_CHARS
+    return cuts
+
+
 def load_tokenizer(spec: str, key: str = "data.tokenizer", chat_template: Optional[str] = None) -> TextTokenizer:
     """``bytes``, a tokenizer.json, or a directory holding one; errors name ``key``.
 
@@ -118,6 +247,8 @@ def load_tokenizer(spec: str, key: str = "data.tokenizer", chat_template: Option
     so the vocabulary (and the model's, which follows it) grows by two.
     """
     if spec == "bytes":
+        if chat_template is None:
+            return BytesTokenizer()
         tok, own = _bytes_tokenizer(), None
     else:
         path = Path(str(spec)).expanduser()
@@ -126,7 +257,7 @@ def load_tokenizer(spec: str, key: str = "data.tokenizer", chat_template: Option
         if not path.is_file():
             raise ConfigError(f"{key}={spec}: no such file; give bytes, a tokenizer.json, or a directory holding one")
         try:
-            tok = Tokenizer.from_file(str(path))
+            tok = _tokenizers().Tokenizer.from_file(str(path))
         except Exception as err:  # the library raises plain Exception for a bad file
             raise ConfigError(f"{key}={spec}: {path} cannot be read as a tokenizers file ({err})") from err
         own = _own_chat_template(path.parent)
@@ -163,10 +294,12 @@ def _chat_template(choice: str, own: Optional[str]) -> str:
 
 def train_bpe(batches: Iterable[List[str]], vocab_size: int, min_frequency: int = 2) -> TextTokenizer:
     """A byte-level BPE trained on batches of documents: specials first (0, 1, 2), then the bytes."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, show_progress=False,
-                                  special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tk = _tokenizers()
+    tok = tk.Tokenizer(tk.models.BPE())
+    tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tk.decoders.ByteLevel()
+    trainer = tk.trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, show_progress=False,
+                                     special_tokens=SPECIAL_TOKENS,
+                                     initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(batches, trainer=trainer)
     return TextTokenizer(tok, "trained", key="--out")
