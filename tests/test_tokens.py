@@ -119,6 +119,17 @@ def test_prepare_bad_input_leaves_nothing(corpus, tmp_path):
         prepare([corpus], tmp_path / "out", "bytes", progress=False)
 
 
+def test_prepare_with_bytes_needs_no_tokenizers_package(corpus, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # as if not installed: importing it raises
+    meta = prepare([corpus], tmp_path / "tok", "bytes", progress=False)
+    assert np.array_equal(np.fromfile(tmp_path / "tok" / "train.bin", dtype=np.uint16), _expected(DOCS, lambda i: True))
+    (tmp_path / "bpe").mkdir()
+    (tmp_path / "bpe" / "tokenizer.json").write_text("{}")
+    with pytest.raises(PrepareError, match=r"needs? the tokenizers package.*or use --tokenizer bytes"):
+        prepare([corpus], tmp_path / "out", str(tmp_path / "bpe"), progress=False)
+    assert meta["vocab_size"] == 259
+
+
 def test_a_killed_prepare_leaves_no_directory_that_looks_complete(tmp_path):
     big = tmp_path / "big.txt"
     big.write_text(("a line of text for the tokenizer to chew on\n" * 200) * 2000)  # ~18 MB, one doc per line

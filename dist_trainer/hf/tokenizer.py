@@ -256,8 +256,9 @@ def load_tokenizer(spec: str, key: str = "data.tokenizer", chat_template: Option
             path = path / "tokenizer.json"
         if not path.is_file():
             raise ConfigError(f"{key}={spec}: no such file; give bytes, a tokenizer.json, or a directory holding one")
+        tokenizers = _tokenizers()  # not installed: that error, not a bad file's
         try:
-            tok = _tokenizers().Tokenizer.from_file(str(path))
+            tok = tokenizers.Tokenizer.from_file(str(path))
         except Exception as err:  # the library raises plain Exception for a bad file
             raise ConfigError(f"{key}={spec}: {path} cannot be read as a tokenizers file ({err})") from err
         own = _own_chat_template(path.parent)
