@@ -23,7 +23,9 @@ def _rank_main(rank: int, world_size: int, store_dir: str, fn: Callable, args: t
     dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=world_size)
     try:
         result = fn(rank, world_size, *args)
-        torch.save(result, os.path.join(store_dir, f"result{rank}.pt"))
+        path = os.path.join(store_dir, f"result{rank}.pt")
+        torch.save(result, path + ".tmp")
+        os.replace(path + ".tmp", path)  # whole, or not there: a launcher may go by its presence
     finally:
         dist.destroy_process_group()
 
