@@ -171,12 +171,13 @@ def write_token_files(out: Path, batches: Iterable[List[str]], tok: "TextTokeniz
             index += lengths.size
             stream = np.insert(ids.astype(dtype), np.cumsum(lengths), eos)  # end-of-text after each document
             in_val = np.repeat(held, lengths + 1)
-            for split, chosen in (("train", ~in_val), ("val", in_val)):
-                data = stream[chosen].tobytes()
+            for split, chosen, docs in (("train", ~in_val, ~held), ("val", in_val, held)):
+                tokens = stream[chosen]
+                data = tokens.tobytes()
                 files[split].write(data)
                 digests[split].update(data)
-                counts[split][0] += len(data) // stream.itemsize
-                counts[split][1] += int(held.sum()) if split == "val" else int((~held).sum())
+                counts[split][0] += tokens.size
+                counts[split][1] += int(docs.sum())
             bar.update(lengths.size)
 
         pending: deque = deque()

@@ -36,7 +36,7 @@ from .. import distributed
 from ..config import ConfigError
 from ..data import hash_key
 from ..datasets import IGNORE_INDEX
-from ..prepare import write_token_files
+from ..prepare import BATCH_DOCS, write_token_files
 from ..tokens import TokenFile
 from .tokenizer import TextTokenizer, load_tokenizer
 
@@ -49,7 +49,6 @@ EXTENSIONS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json"
 # A text file's document is a paragraph; a csv's "NA" or "null" is text, not a missing value.
 EXTRA = {"text": {"sample_by": "paragraph"}, "csv": {"na_filter": False}}
 TASKS = ("causal_lm", "masked_lm")
-BATCH_DOCS = 1000  # documents per encode_text call
 # Part of the key: a change to the files' layout or to their ids builds new caches.
 # 2: the text of a special token inside a document is text (it was the special id).
 CACHE_VERSION = 2

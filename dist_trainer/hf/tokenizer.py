@@ -146,15 +146,16 @@ class TextTokenizer:
 
     def encode_flat(self, docs: List[str]) -> Tuple[np.ndarray, np.ndarray]:
         """``encode_text``'s ids of all documents end to end, and each one's length (what a writer wants)."""
-        if any(self._plan(docs)):
-            return _joined(self.encode_text(docs))
-        return self._flat(docs)
+        plan = self._plan(docs)
+        return _joined(self._encode_cut(docs, plan)) if any(plan) else self._flat(docs)
 
     def encode_text(self, docs: List[str]) -> List[np.ndarray]:
         """Token ids of each document, as one sequence each; in one call of the library, in parallel."""
         plan = self._plan(docs)
-        if not any(plan):
-            return self._text_ids(docs)
+        return self._encode_cut(docs, plan) if any(plan) else self._text_ids(docs)
+
+    def _encode_cut(self, docs: List[str], plan: List[List[int]]) -> List[np.ndarray]:
+        """Each document in the pieces ``plan`` cuts it into, every cut checked, in one call of the library."""
         texts: List[str] = []
         for doc, cuts in zip(docs, plan):
             bounds = [0, *cuts, len(doc)]
