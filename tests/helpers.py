@@ -18,6 +18,55 @@ from dist_trainer.config import BatchConfig, Config, DistConfig, OptimConfig, Pr
 REPO = Path(__file__).resolve().parents[1]
 
 
+# ------------------------------------------------- comparing numbers
+
+# How close two runs' tensors must be, measured against the tensor's own scale:
+# max|got - ref| / max|ref| (scaled_error), never element by element. An element
+# near zero holds no information about correctness: a sum of terms that cancel
+# keeps the rounding of its large terms, and which of them round up is decided by
+# the order of accumulation and by the CPU's kernels (AVX-512 and AVX2 block their
+# reductions differently; two vendors' AVX-512 differ too). So an element-wise
+# relative bound fails on correct code on some machine.
+#
+# SCALE_TOL: the same fp32 math summed in another order (ranks and micro-batches,
+# a sharded reduction, another instruction set). fp32 rounds each operation to
+# 6e-8 of its operands; a reduction of n terms in another order moves the result
+# by up to about sqrt(n) of those, a few 1e-7 of the scale for these tiny models;
+# three steps of an optimizer carry it along. 1e-5 of the scale holds that with a
+# margin of 10 or more (measured under ATEN_CPU_CAPABILITY=default, avx2 and
+# avx512), and any real error of the algorithm (a wrong factor, a sample counted
+# twice or missed, a mean of means) is 1e-3 of the scale or more.
+SCALE_TOL = 1e-5
+# SAME_OPS_TOL: the same operations in the same order, recomputed (activation
+# checkpointing) or reached by another path, where only a fused kernel may round
+# another way.
+SAME_OPS_TOL = 1e-6
+
+
+def scaled_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """max|got - ref| / max|ref| in float64 (the absolute error where ref is all zero)."""
+    got, ref = torch.as_tensor(got).detach().double(), torch.as_tensor(ref).detach().double()
+    diff, scale = (got - ref).abs().max().item() if ref.numel() else 0.0, ref.abs().max().item() if ref.numel() else 0.0
+    return diff / scale if scale > 0 else diff
+
+
+def assert_close_scaled(got: torch.Tensor, ref: torch.Tensor, what: str, tol: float = SCALE_TOL) -> float:
+    """got equals ref within ``tol`` of ref's scale; returns the error."""
+    got, ref = torch.as_tensor(got), torch.as_tensor(ref)
+    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} against {tuple(ref.shape)}"
+    assert bool(torch.isfinite(got).all()) == bool(torch.isfinite(ref).all()), f"{what}: non-finite on one side"
+    err = scaled_error(got, ref)
+    assert err <= tol, f"{what}: max|got-ref| / max|ref| = {err:.3e} > {tol:.0e}"
+    return err
+
+
+def assert_all_close_scaled(got: dict, ref: dict, what: str, tol: float = SCALE_TOL) -> None:
+    """Each tensor of a name -> tensor mapping (the same names on both sides) within ``tol`` of its scale."""
+    assert got.keys() == ref.keys(), f"{what}: names differ: {sorted(set(got) ^ set(ref))}"
+    for name, r in ref.items():
+        assert_close_scaled(got[name], r, f"{what} {name}", tol)
+
+
 def _rank_main(rank: int, world_size: int, store_dir: str, fn: Callable, args: tuple) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=world_size)

@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from dist_trainer.checkpoint import verify
+from helpers import assert_all_close_scaled, assert_close_scaled
 from test_checkpoint import (JOB2, K, STEPS, assert_bit_identical, assert_same_metrics, ckpt, copy_run, final_params,
                              metrics, resumed_from, run, run_all)
 
@@ -81,12 +82,11 @@ def _assert_continues(run_dir: Path, ref_dir: Path) -> None:
     got, want = metrics(run_dir), metrics(ref_dir)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     assert [r["samples"] for r in got] == [r["samples"] for r in want]  # the global batch kept
-    torch.testing.assert_close(torch.tensor([r["loss"] for r in got], dtype=torch.float64),
-                               torch.tensor([r["loss"] for r in want], dtype=torch.float64), rtol=1e-5, atol=0)
+    assert_close_scaled(torch.tensor([r["loss"] for r in got], dtype=torch.float64),
+                        torch.tensor([r["loss"] for r in want], dtype=torch.float64), "losses")
     params, ref = final_params(run_dir), final_params(ref_dir)
     assert params.keys() == ref.keys()
-    for name in ref:
-        torch.testing.assert_close(params[name], ref[name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    assert_all_close_scaled(params, ref, "final parameters")
 
 
 def test_resume_resharded_and_with_the_other_strategy(runs, tmp_path):

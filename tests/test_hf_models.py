@@ -39,9 +39,8 @@ from dist_trainer.config import (BatchConfig, Config, ConfigError, DistConfig, O
 from dist_trainer.data import epoch_batches  # noqa: E402
 from dist_trainer.hf.models import hf_model  # noqa: E402
 from dist_trainer.run import build, train  # noqa: E402
-from helpers import REPO, run_ranks  # noqa: E402
+from helpers import REPO, SAME_OPS_TOL, assert_all_close_scaled, assert_close_scaled, run_ranks  # noqa: E402
 
-RTOL, ATOL = 1e-5, 1e-7
 GLOBAL, STEPS = 32, 2
 GPT2 = {"n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_size": 256, "n_positions": 32,
         "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
@@ -127,8 +126,7 @@ def _split_worker(rank: int, world: int, text: str, cache: str) -> dict:
 
 def _assert_close(got: dict, ref: dict, what: str) -> None:
     assert got.keys() == ref.keys()
-    for name in ref:
-        torch.testing.assert_close(got[name], ref[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{what} {name}: {m}")
+    assert_all_close_scaled(got, ref, what)
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +163,7 @@ def test_the_loss_is_transformers_own_where_that_is_right():
     ours = model({"input_ids": ids, "labels": labels})
     theirs = model.model(input_ids=ids, labels=labels).loss
     assert ours["num_items"].item() == (labels[:, 1:] != -100).sum().item()  # the first label predicts nothing
-    torch.testing.assert_close(ours["loss_sum"] / ours["num_items"], theirs, rtol=1e-6, atol=0)
+    assert_close_scaled(ours["loss_sum"] / ours["num_items"], theirs, "our loss vs transformers' own", SAME_OPS_TOL)
     # "targets" (already the next tokens, as data=tokens gives them) are not shifted again.
     same = model({"input_ids": ids[:, :-1], "targets": labels[:, 1:]})
     assert same["num_items"] == ours["num_items"]
