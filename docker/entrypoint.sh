@@ -22,6 +22,19 @@ set -euo pipefail
 
 readonly EXIT_REQUEUE=75
 
+# A signal that is ignored when bash starts cannot be trapped: bash keeps it
+# ignored and says nothing, so it would never reach torchrun. A shell's
+# background job starts so (SIGINT, SIGQUIT), and so does every process started
+# by one that ignores a signal. tini starts us with the defaults; anything else
+# gets them here, by starting again through env (coreutils 8.31 or newer).
+ignored=$(trap -p INT TERM USR1)
+if [[ -n "$ignored" && -z "${DIST_TRAINER_ENTRYPOINT_RESET:-}" ]] && env --default-signal=INT true 2>/dev/null; then
+    DIST_TRAINER_ENTRYPOINT_RESET=1 exec env --default-signal=INT,TERM,USR1 "$BASH" "$0" "$@"
+elif [[ -n "$ignored" ]]; then
+    echo "dist-trainer-entrypoint: started with stop signals ignored ($ignored): they cannot reach torchrun" >&2
+fi
+unset DIST_TRAINER_ENTRYPOINT_RESET
+
 # torchrun passes on only the signals it handles (--signals-to-handle, default
 # SIGTERM,SIGINT,SIGHUP,SIGQUIT); any other ends torchrun at once and leaves its
 # workers to be killed without a checkpoint. Add SIGUSR1 to that default (torchrun

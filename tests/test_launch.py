@@ -8,6 +8,7 @@ variables the Kubernetes Job sets.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -80,10 +81,11 @@ def spawn(tmp_path):
     """
     procs: List[subprocess.Popen] = []
 
-    def start(cmd: List[str], **kwargs) -> subprocess.Popen:
+    def start(cmd: List[str], ignored: tuple = (), **kwargs) -> subprocess.Popen:
         log = tmp_path / f"proc{len(procs)}.log"
         with open(log, "w") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, **kwargs)
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                    preexec_fn=functools.partial(_signals_as_started, ignored), **kwargs)
         proc.log = log
         procs.append(proc)
         return proc
@@ -99,6 +101,15 @@ def spawn(tmp_path):
 
 def _output(proc: subprocess.Popen) -> str:
     return proc.log.read_text(errors="replace")
+
+
+def _signals_as_started(ignored: tuple) -> None:
+    """In the child before exec: every signal at its default and unblocked, as tini starts a container's
+    command, whatever this test process inherited or a library set (a signal ignored here would be ignored
+    by the command too); then ``ignored`` ignored, as a shell's background job starts."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_IGN if sig in ignored else signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
 
 
 def _finish(proc: subprocess.Popen, timeout: float) -> str:
@@ -210,14 +221,18 @@ sys.exit(int(os.environ["FAKE_EXIT"]))
 """
 
 
-@pytest.mark.parametrize("sig,torchrun_exit,expected", [
-    ("SIGTERM", 1, 75),  # docker stop, an eviction: the workers checkpointed and stopped on request
-    ("SIGUSR1", 1, 75),
-    ("SIGINT", 1, 75),
-    ("SIGTERM", 0, 0),  # training finished before the signal took effect
-    (None, 3, 3),  # no signal: torchrun's own status
-], ids=["term", "usr1", "int", "term-finished-anyway", "no-signal"])
-def test_entrypoint_forwards_stop_signals_and_exits_requeue(spawn, tmp_path, sig, torchrun_exit, expected):
+@pytest.mark.parametrize("sig,torchrun_exit,expected,ignored", [
+    ("SIGTERM", 1, 75, ()),  # docker stop, an eviction: the workers checkpointed and stopped on request
+    ("SIGUSR1", 1, 75, ()),
+    ("SIGINT", 1, 75, ()),
+    ("SIGTERM", 0, 0, ()),  # training finished before the signal took effect
+    (None, 3, 3, ()),  # no signal: torchrun's own status
+    # Started with the stop signals ignored (a shell's background job, or a parent that ignores them):
+    # bash cannot trap those, so the script starts again with the defaults.
+    ("SIGINT", 1, 75, (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)),
+    ("SIGTERM", 1, 75, (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)),
+], ids=["term", "usr1", "int", "term-finished-anyway", "no-signal", "int-ignored-at-start", "term-ignored-at-start"])
+def test_entrypoint_forwards_stop_signals_and_exits_requeue(spawn, tmp_path, sig, torchrun_exit, expected, ignored):
     bin_dir, log_dir = tmp_path / "bin", tmp_path / "log"
     bin_dir.mkdir()
     log_dir.mkdir()
@@ -228,7 +243,7 @@ def test_entrypoint_forwards_stop_signals_and_exits_requeue(spawn, tmp_path, sig
     env["PATH"] = os.pathsep.join([str(bin_dir), env["PATH"]])
     env.pop("PET_SIGNALS_TO_HANDLE", None)
     args = ["--standalone", "--nproc_per_node=2", "-m", "dist_trainer", "optim.lr=3e-4", "a b"]
-    proc = spawn(["bash", str(ENTRYPOINT_SCRIPT), *args], cwd=tmp_path, env=env)
+    proc = spawn(["bash", str(ENTRYPOINT_SCRIPT), *args], cwd=tmp_path, env=env, ignored=ignored)
     _wait_for(lambda: (log_dir / "ready").exists(), 30, "torchrun to start", proc, poll=0.05)
     ready = json.loads((log_dir / "ready").read_text())
     assert ready["argv"] == args  # passed on untouched
