@@ -21,7 +21,7 @@ from dist_trainer.config import ConfigError, validate
 from dist_trainer.data import epoch_batches
 from dist_trainer.hf.models import hf_model
 from dist_trainer.run import build
-from helpers import run_ranks
+from helpers import assert_close_scaled, run_ranks
 from test_checkpoint import metrics, run
 from test_hf_chat import chat_data, chat_model, conversations, write_jsonl
 from test_hf_models import LLAMA, STEPS, _assert_close, _steps, config
@@ -164,8 +164,8 @@ def test_a_lora_run_resumes_bit_identically_and_exports_adapters_and_a_merged_mo
                                    base.state_dict().items() if "lora_" not in k})
         adapted = PeftModel.from_pretrained(base_copy, whole / "hf_adapter").eval()
         merged = AutoModelForCausalLM.from_pretrained(whole / "hf_model").eval()
-        torch.testing.assert_close(adapted(**batch).logits, logits, atol=1e-5, rtol=0)
-        torch.testing.assert_close(merged(**batch).logits, logits, atol=1e-5, rtol=0)
+        assert_close_scaled(adapted(**batch).logits, logits, "hf_adapter on the base")
+        assert_close_scaled(merged(**batch).logits, logits, "merged hf_model")
     assert json.loads((whole / "hf_adapter" / "adapter_config.json").read_text())["r"] == 4
 
     # The export command writes the same from the checkpoint; a different base is refused.
@@ -175,9 +175,66 @@ def test_a_lora_run_resumes_bit_identically_and_exports_adapters_and_a_merged_mo
     assert export(whole, tmp_path / "exported", tmp_path / "exported-adapter") == ckpt
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
     with torch.no_grad():
-        torch.testing.assert_close(again(**batch).logits, logits, atol=1e-5, rtol=0)
+        assert_close_scaled(again(**batch).logits, logits, "exported from the checkpoint")
     other = run(_args(chats, cache, whole, 12) + ["trainer.seed=1"], tmp_path, nproc=2)  # another random base
     assert other.returncode != 0 and "trained on other frozen weights" in other.output, other.output[-3000:]
+
+
+def test_an_adapter_loads_on_its_own_base_from_disk_as_readme_shows(tmp_path):
+    """A base pretrained with the bytes tokenizer (259 ids), fine-tuned with LoRA on chats whose template adds
+    two markers: README's lines (the tokenizer from hf_adapter/, the base from its own directory, one resize)
+    give the run's logits, whatever values the resize put in the new rows."""
+    from hydra.utils import instantiate
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dist_trainer.hf.export import save_pretrained
+
+    torch.manual_seed(0)
+    base_dir, run_dir = tmp_path / "base", tmp_path / "run"
+    pretrained = hf_model("causal_lm", "llama", dict(LLAMA), tokenizer="bytes")  # untied head: rows of its own
+    save_pretrained(pretrained, pretrained.state_dict(), base_dir)  # what a pretraining run leaves in hf_model/
+    chats = write_jsonl(tmp_path / "chats.jsonl", conversations(48, seed=6))
+    proc = run(["model=hf_causal_lm", f"model.pretrained={base_dir}", "model.lora.r=4", "model.lora.alpha=8",
+                "data=hf_chat", f"data.files=[{chats}]", f"data.tokenizer={base_dir}", "data.packing=true",
+                "data.block_size=256", f"data.cache_dir={tmp_path / 'cache'}", "batch.micro_batch_size=2",
+                "batch.global_batch_size=8", "optim.lr=1e-2", "optim.warmup_steps=0", "trainer.max_steps=3",
+                "trainer.eval_every=0", "trainer.device=cpu", "dist.strategy=fsdp", f"hydra.run.dir={run_dir}"],
+               tmp_path, nproc=2)
+    assert proc.returncode == 0, proc.output[-4000:]
+
+    # The run's own model: rebuilt from its checkpoint's configuration, with its final weights.
+    shared = torch.load(run_dir / "checkpoints" / "step_00000003" / "shared.pt", weights_only=False)
+    module = instantiate(shared["model_config"], _convert_="all")
+    module.load_state_dict(torch.load(run_dir / "final_model.pt", weights_only=True))
+    tuned = module.model.get_base_model()
+    assert tuned.config.vocab_size == 261 and not tuned.config.tie_word_embeddings
+
+    # README's lines, verbatim but for the paths.
+    tokenizer = AutoTokenizer.from_pretrained(run_dir / "hf_adapter")
+    base = AutoModelForCausalLM.from_pretrained(base_dir)
+    base.resize_token_embeddings(len(tokenizer))
+    assert len(tokenizer) == 261 and tokenizer.chat_template  # the markers, and the template that renders them
+    with torch.no_grad():  # whatever the resize sampled there: the adapter carries the trained rows
+        for weight in (base.get_input_embeddings().weight, base.get_output_embeddings().weight):
+            weight[259:] = torch.randn_like(weight[259:])
+    model = PeftModel.from_pretrained(base, run_dir / "hf_adapter").eval()
+
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+3?"},
+                                         {"role": "assistant", "content": "5."}], return_dict=True,
+                                        return_tensors="pt")["input_ids"]
+    assert {259, 260} <= set(ids[0].tolist())
+    with torch.no_grad():
+        want = module.eval().model(input_ids=ids).logits
+        assert_close_scaled(model(input_ids=ids).logits, want, "adapter on its base from disk vs the run")
+        merged = AutoModelForCausalLM.from_pretrained(run_dir / "hf_model").eval()
+        assert_close_scaled(merged(input_ids=ids).logits, want, "merged hf_model vs the run")
+    # The new rows trained, in the input embedding and in the head (how the model predicts an end of turn):
+    # the resize started them at the mean of the others.
+    for name in ("get_input_embeddings", "get_output_embeddings"):
+        mean = getattr(pretrained.model, name)().weight.detach().mean(0)
+        moved = (getattr(merged, name)().weight[259:].detach() - mean).abs().max().item()
+        assert moved > 1e-3, (name, moved)
 
 
 def test_tokens_a_template_adds_to_a_pretrained_vocabulary_train_under_lora(tmp_path):

@@ -154,9 +154,9 @@ def with_lora(model: nn.Module, task: str, r: int, alpha: float = 16, dropout: f
     attention projections of llama, gpt2, qwen2, ...). ``modules_to_save``
     (e.g. ``[lm_head]``) train in full beside the adapters and are saved with
     them. ``new_tokens``, rows the embeddings got for a tokenizer's added
-    tokens (a chat template's markers), train too (peft's trainable tokens),
-    unless the embedding trains whole: a frozen new row is one the model
-    cannot learn to read.
+    tokens (a chat template's markers), train too (peft's trainable tokens,
+    ``_new_rows``): a frozen new row is one the model cannot learn to read,
+    or, in an untied head, to predict.
     """
     if task != "causal_lm":
         raise ConfigError("model.lora: LoRA adapters are for model=hf_causal_lm")
@@ -168,11 +168,9 @@ def with_lora(model: nn.Module, task: str, r: int, alpha: float = 16, dropout: f
         raise ConfigError("model.lora needs peft: pip install 'dist_trainer[hf]'") from err
     targets = list(target_modules) if isinstance(target_modules, (list, tuple)) else target_modules
     saved = list(modules_to_save) if modules_to_save else None
-    embedding = model.get_input_embeddings()
-    whole = saved and any(name.rsplit(".", 1)[-1] in saved for name, m in model.named_modules() if m is embedding)
     config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
                              modules_to_save=saved, task_type="CAUSAL_LM",
-                             trainable_token_indices=None if whole or not new_tokens else list(new_tokens))
+                             trainable_token_indices=_new_rows(model, saved, new_tokens))
     try:
         return peft.get_peft_model(model, config)
     except ValueError as err:  # no module matches target_modules, or peft knows no default for the type
@@ -180,6 +178,34 @@ def with_lora(model: nn.Module, task: str, r: int, alpha: float = 16, dropout: f
         raise ConfigError(f"model.lora.target_modules={target_modules} (modules_to_save={modules_to_save}): {err}. "
                           f"The model's linear layers are "
                           f"named {', '.join(names)}") from err
+
+
+def _new_rows(model: nn.Module, saved: Optional[list], new_tokens: Sequence[int]) -> Optional[Dict[str, list]]:
+    """peft's trainable tokens for the rows a resize added: the input embedding's, and an untied head's.
+
+    A new token's input row is how the model reads it, its head row how the
+    model predicts it (a chat's end of turn): both must train. (A frozen head
+    row stays the mean of the others, so the model could not learn to end a
+    turn.) peft saves the resized layers whole with the adapter, so a base
+    resized to the tokenizer's length gets the trained rows back, whatever
+    values the resize put there. A module trained whole
+    (``modules_to_save``) needs no rows of its own.
+    """
+    if not new_tokens:
+        return None
+    names = {id(m): name for name, m in model.named_modules()}
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    modules = [embedding] if head is None or head.weight is embedding.weight else [embedding, head]  # untied: two
+    rows: Dict[str, list] = {}
+    for module in modules:
+        name = names[id(module)]
+        if saved and name.rsplit(".", 1)[-1] in saved:
+            continue
+        if getattr(module, "bias", None) is not None:  # peft's trainable tokens on a head compute without a bias
+            raise ConfigError(f"model.lora: the tokenizer adds {len(new_tokens)} tokens and the head ({name}) has "
+                              "a bias: add it to model.lora.modules_to_save to train it whole")
+        rows[name] = list(new_tokens)
+    return rows or None
 
 
 def _config(transformers: Any, model_type: str, overrides: Dict[str, Any]) -> Any:
