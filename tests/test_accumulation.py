@@ -41,7 +41,7 @@ from dist_trainer.datasets import char_text, regression
 from dist_trainer.models import GPT, BranchyMLP
 from dist_trainer.optim import lr_at, set_lr
 from dist_trainer.run import build, train
-from helpers import SCALE_TOL, RegressionMLP, _rank_main, assert_close_scaled, regression_config
+from helpers import SCALE_TOL, RegressionMLP, _rank_main, assert_close_scaled, regression_config, set_floor
 
 # fp32: the splits only reorder float sums, so they agree to rounding: each tensor within
 # SCALE_TOL (helpers.py) of its scale. A mean-of-means normalisation misses by 40-90 % of
@@ -327,12 +327,13 @@ def _record(what: str, err: float) -> None:
 
 def _assert_close(got: dict, ref: dict, what: str) -> None:
     assert got.keys() == ref.keys()
+    floor = set_floor(ref)
     for name, r in ref.items():
         g = got[name]
         if r is None or g is None:
             assert g is None and r is None, f"{what} {name}: gradient missing on one side"
             continue
-        _record(what, assert_close_scaled(g, r, f"{what} {name}"))
+        _record(what, assert_close_scaled(g, r, f"{what} {name}", floor=floor))
 
 
 def _assert_ranks_identical(runs: list[dict], what: str) -> None:

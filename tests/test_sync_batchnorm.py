@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dist_trainer.parallel.sync_batchnorm import CPUSyncBatchNorm, convert_sync_batchnorm
-from helpers import assert_close_scaled
+from helpers import assert_all_close_scaled, assert_close_scaled
 
 WORLD_SIZE = 2
 
@@ -191,8 +191,8 @@ def test_ddp_cpu_model_trains_one_step(tmp_path, gloo_env) -> None:
 
     for r in ranks:
         assert "only work with GPU modules" in r["torch_error"]
-        for n, grad in expected_grads.items():
-            assert_close_scaled(r["grads"][n], grad, f"ddp grad {n}")
+        # 0.bias sits before the BatchNorm, which removes any shift: its gradient is zero but for rounding.
+        assert_all_close_scaled(r["grads"], expected_grads, "ddp grads")
         for key, value in ref.state_dict().items():  # params after step + BN buffers
             assert_close_scaled(r["state"][key], value, f"ddp state {key}")
 
