@@ -107,6 +107,19 @@ def _worker(rank: int, world: int, root: str) -> dict:
     return results
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _own_inductor_cache(tmp_path_factory):
+    """Compile into a cache of this module's own, for every test here and the ranks it spawns.
+
+    Inductor's cache does not key its entries on ATEN_CPU_CAPABILITY: a cache
+    filled under one instruction set's kernels, reused under another (the
+    suite runs under each), gave a NaN loss in the first compiled step.
+    """
+    with pytest.MonkeyPatch.context() as mpatch:
+        mpatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
+        yield
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     root = tmp_path_factory.mktemp("compile")
