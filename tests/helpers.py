@@ -76,16 +76,23 @@ def assert_close_scaled(got: torch.Tensor, ref: torch.Tensor, what: str, tol: fl
 
 def set_floor(ref: dict) -> float:
     """FLOOR of the largest magnitude in a name -> tensor mapping."""
-    return FLOOR * max((torch.as_tensor(r).detach().abs().max().item() for r in ref.values()
-                        if r is not None and torch.as_tensor(r).numel()), default=0.0)
+    tensors = (torch.as_tensor(r).detach() for r in ref.values() if r is not None)
+    return FLOOR * max((t.abs().max().item() for t in tensors if t.numel()), default=0.0)
 
 
 def assert_all_close_scaled(got: dict, ref: dict, what: str, tol: float = SCALE_TOL) -> float:
-    """Each tensor of a name -> tensor mapping within ``tol`` of its scale (at least set_floor); the largest error."""
+    """Each tensor of a name -> tensor mapping within ``tol`` of its scale (at least set_floor); the largest error.
+
+    None (a parameter without a gradient) must be None on both sides.
+    """
     assert got.keys() == ref.keys(), f"{what}: names differ: {sorted(set(got) ^ set(ref))}"
-    floor = set_floor(ref)
-    return max((assert_close_scaled(got[name], r, f"{what} {name}", tol, floor) for name, r in ref.items()),
-               default=0.0)
+    floor, err = set_floor(ref), 0.0
+    for name, r in ref.items():
+        if r is None or got[name] is None:
+            assert r is None and got[name] is None, f"{what} {name}: missing on one side"
+            continue
+        err = max(err, assert_close_scaled(got[name], r, f"{what} {name}", tol, floor))
+    return err
 
 
 def _rank_main(rank: int, world_size: int, store_dir: str, fn: Callable, args: tuple) -> None:

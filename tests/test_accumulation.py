@@ -41,7 +41,7 @@ from dist_trainer.datasets import char_text, regression
 from dist_trainer.models import GPT, BranchyMLP
 from dist_trainer.optim import lr_at, set_lr
 from dist_trainer.run import build, train
-from helpers import SCALE_TOL, RegressionMLP, _rank_main, assert_close_scaled, regression_config, set_floor
+from helpers import SCALE_TOL, RegressionMLP, _rank_main, assert_all_close_scaled, regression_config
 
 # fp32: the splits only reorder float sums, so they agree to rounding: each tensor within
 # SCALE_TOL (helpers.py) of its scale. A mean-of-means normalisation misses by 40-90 % of
@@ -326,14 +326,7 @@ def _record(what: str, err: float) -> None:
 
 
 def _assert_close(got: dict, ref: dict, what: str) -> None:
-    assert got.keys() == ref.keys()
-    floor = set_floor(ref)
-    for name, r in ref.items():
-        g = got[name]
-        if r is None or g is None:
-            assert g is None and r is None, f"{what} {name}: gradient missing on one side"
-            continue
-        _record(what, assert_close_scaled(g, r, f"{what} {name}", floor=floor))
+    _record(what, assert_all_close_scaled(got, ref, what))
 
 
 def _assert_ranks_identical(runs: list[dict], what: str) -> None:
@@ -408,7 +401,8 @@ def _assert_matches_hand(run: dict, hand: list[dict], what: str) -> None:
     """The framework's run against the hand-written one: every step's gradient, the loss, the final weights."""
     assert all(torch.equal(p, hand[0]["init"][n]) for n, p in run["init"].items())  # same seed, same init
     for step, ref in enumerate(hand):
-        assert run["outcomes"][step]["loss"] == pytest.approx(ref["loss"], rel=SCALE_TOL), f"{what} loss step {step + 1}"
+        assert run["outcomes"][step]["loss"] == pytest.approx(ref["loss"], rel=SCALE_TOL), \
+            f"{what} loss step {step + 1}"
         _assert_close(run["grads"][step], ref["grads"], f"{what} grads (each step) vs hand")
     _assert_close(run["params"][-1], hand[-1]["params"], f"{what} params step {len(hand)} vs hand")
 

@@ -69,9 +69,8 @@ def _run(tmp_path: Path, args: list) -> dict:
     return _pinned([json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()])
 
 
-def _departures(name: str, got: dict) -> list:
-    """Where a run leaves the golden numbers of ``name`` beyond the bounds: (step, what) pairs."""
-    golden = json.loads(GOLDEN.read_text())[name]
+def _departures(name: str, got: dict, golden: dict) -> list:
+    """Where a run leaves ``golden``, the numbers of run ``name``, beyond the bounds: (step, what) pairs."""
     out = [(0, key) for key in ("lr", "loss_scale", "skipped") if got[key] != golden[key]]
     tight, loss_tol, norm_tol, late_loss_tol, late_norm_tol = BOUNDS[name]
     for step, (loss, want_loss, norm, want_norm) in enumerate(zip(got["loss"], golden["loss"], got["grad_norm"],
@@ -94,7 +93,7 @@ def test_tiny_run_reproduces_the_golden_numbers(tmp_path, name):
         GOLDEN.write_text(json.dumps(stored, indent=1, sort_keys=True) + "\n")
     golden = json.loads(GOLDEN.read_text())[name]
     assert golden["args"] == args, "the golden file was made with other arguments: regenerate it"
-    assert _departures(name, got) == []
+    assert _departures(name, got, golden) == []
     if name == "sgd-scaler":  # guard: the run really exercises the scaler both ways
         scales = golden["loss_scale"]
         assert any(golden["skipped"]) and any(b < a for a, b in zip(scales, scales[1:]))
@@ -105,6 +104,6 @@ def test_tiny_run_reproduces_the_golden_numbers(tmp_path, name):
 def test_the_bounds_catch_every_update_one_percent_larger(tmp_path):
     """The guard behind the bounds: SGD's lr 1 % higher (any wrong factor on the update) leaves them."""
     args = [a if not a.startswith("optim.lr=") else "optim.lr=0.505" for a in RUNS["sgd-scaler"]]
-    departures = _departures("sgd-scaler", _run(tmp_path, args))
+    departures = _departures("sgd-scaler", _run(tmp_path, args), json.loads(GOLDEN.read_text())["sgd-scaler"])
     steps = {step for step, _ in departures}
     assert 4 in steps and set(range(6, 17)) <= steps, departures  # the tight steps, and every late one

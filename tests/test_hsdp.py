@@ -256,7 +256,8 @@ def test_hsdp_clipping_and_the_end_of_the_data_equal_one_process(world4, refs, n
 def test_hsdp_activation_checkpointing_gives_the_same_gradients(world4):
     on, off = _job(world4, "ac"), _job(world4, "split/micro_batch/last")
     for step in range(STEPS):
-        assert_all_close_scaled(on["grads"][step], off["grads"][step], f"hsdp checkpointed step {step + 1}", SAME_OPS_TOL)
+        assert_all_close_scaled(on["grads"][step], off["grads"][step], f"hsdp checkpointed step {step + 1}",
+                                SAME_OPS_TOL)
 
 
 @pytest.mark.parametrize("name", ["master", "mixed"])

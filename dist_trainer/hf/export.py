@@ -46,7 +46,8 @@ def save_pretrained(module: torch.nn.Module, state: Dict[str, torch.Tensor], out
     hf_state = {key[len(PREFIX):]: value for key, value in state.items() if key.startswith(PREFIX)}
     if _is_peft(module.model):
         lora = _peft_copy(module, hf_state)
-        _write(lambda tmp: (lora.save_pretrained(tmp), _save_tokenizer(module, tmp)), adapter_out or out.parent / "hf_adapter")
+        _write(lambda tmp: (lora.save_pretrained(tmp), _save_tokenizer(module, tmp)),
+               adapter_out or out.parent / "hf_adapter")
         merged = lora.merge_and_unload()
         _write(lambda tmp: (merged.save_pretrained(tmp), _save_tokenizer(module, tmp)), out)
         return
