@@ -119,10 +119,28 @@ class FSDPConfig:
     reshard_after_forward: Optional[bool] = None  # deprecated: true is reshard=micro_batch, false reshard=forward
 
 
+TP_STYLES = ("colwise", "rowwise", "sequence_parallel", "replicate")
+
+
+@dataclass
+class TPConfig:
+    # Tensor-parallel degree: ranks that cut each layer between them (the innermost mesh dimension:
+    # consecutive ranks, one node's when it divides the node). 1: none.
+    size: int = 1
+    # auto: the model's own plan (the built-in GPT's tp_plan, a Hugging Face model's
+    # base_model_tp_plan); or a mapping of module-name patterns (* matches one name) to a style.
+    plan: Any = "auto"
+    # Norms and dropout on sequence shards between the parallel regions: activations cut by size too.
+    sequence_parallel: bool = True
+    # The cross-entropy on vocabulary shards where the head is column-wise (no gathered logits).
+    loss_parallel: bool = True
+
+
 @dataclass
 class DistConfig:
     strategy: str = "ddp"  # ddp | fsdp
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    tp: TPConfig = field(default_factory=TPConfig)
     # Class names of the model's repeated blocks (FSDP units, activation checkpointing);
     # null: what the model declares in _no_split_modules.
     blocks: Optional[List[str]] = None
@@ -205,51 +223,81 @@ class Config:
 
 @dataclass(frozen=True)
 class MeshShape:
-    """The shape of the data-parallel world, decided once (``derive_mesh``) and handed to the strategy.
+    """The shape of the world, decided once (``derive_mesh``) and handed to the strategy.
 
-    ``replicate`` x ``shard`` = world size. Ranks ``r * shard ... r * shard + shard - 1``
-    form shard group ``r`` (consecutive ranks: one node's under ``shard_size=node``);
-    rank ``s`` of every group holds the same shard. ddp shards nothing (shard 1).
+    ``replicate`` x ``shard`` x ``tp`` = world size, tp innermost: rank
+    ``(r * shard + s) * tp + t`` is tensor-parallel rank ``t`` of data-parallel
+    rank ``r * shard + s``. The ``tp`` ranks of one group cut each layer between
+    them and see the same micro-batches; the data-parallel ranks
+    (``replicate`` x ``shard``) see different ones. Data-parallel ranks
+    ``r * shard ... r * shard + shard - 1`` form shard group ``r`` (consecutive:
+    one node's under ``shard_size=node``); rank ``s`` of every group holds the
+    same shard. ddp shards nothing (shard 1).
     """
 
     strategy: str  # ddp | fsdp
     replicate: int
     shard: int
+    tp: int = 1
 
     @property
     def world_size(self) -> int:
+        return self.replicate * self.shard * self.tp
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that see different micro-batches: the batch plan's unit."""
         return self.replicate * self.shard
+
+    def counts_batch(self, rank: int) -> bool:
+        """Whether ``rank``'s micro-batches count in the step's totals: one rank per tensor-parallel group."""
+        return rank % self.tp == 0
+
+    def data_rank(self, rank: int) -> int:
+        """Which micro-batches global ``rank`` sees: the same for every rank of a tensor-parallel group."""
+        return rank // self.tp
 
     @property
     def kind(self) -> str:
-        """ddp, fsdp (one shard group of every rank) or hsdp (shard groups replicated)."""
+        """ddp, fsdp (one shard group of every data-parallel rank) or hsdp (shard groups replicated)."""
         if self.strategy == "ddp":
             return "ddp"
         return "fsdp" if self.replicate == 1 else "hsdp"
 
     def describe(self) -> str:
         if self.kind == "ddp":
-            return f"ddp: {self.replicate} replicas"
-        if self.kind == "fsdp":
-            return f"fsdp: 1 shard group of {self.shard} ranks"
-        return f"hsdp: {self.replicate} replicas x shard groups of {self.shard} ranks"
+            text = f"ddp: {self.replicate} replicas"
+        elif self.kind == "fsdp":
+            text = f"fsdp: 1 shard group of {self.shard} ranks"
+        else:
+            text = f"hsdp: {self.replicate} replicas x shard groups of {self.shard} ranks"
+        return text if self.tp == 1 else f"{text}, each rank a tensor-parallel group of {self.tp} ranks"
 
 
 def derive_mesh(dist: "DistConfig", world_size: int, local_world_size: int) -> MeshShape:
-    """The mesh of ``dist.strategy`` and ``dist.fsdp.shard_size``; ConfigError naming the key."""
+    """The mesh of ``dist.tp.size``, ``dist.strategy`` and ``dist.fsdp.shard_size``; ConfigError naming the key."""
+    tp = dist.tp.size
+    _check(world_size % tp == 0, "dist.tp.size", tp,
+           f"must divide the world size {world_size} (one of {_divisors(world_size)})")
+    if tp > 1 and local_world_size % tp:
+        log.warning("dist.tp.size=%d does not divide the %d ranks of a node: tensor-parallel groups span nodes, "
+                    "and every layer's activations cross the slower link twice per forward and backward", tp,
+                    local_world_size)
+    data, node = world_size // tp, max(local_world_size // tp, 1)
     if dist.strategy == "ddp":
-        return MeshShape("ddp", world_size, 1)
+        return MeshShape("ddp", data, 1, tp)
     size = dist.fsdp.shard_size
     if size is None:
-        return MeshShape("fsdp", 1, world_size)
+        return MeshShape("fsdp", 1, data, tp)
     if size == "node":
-        _check(world_size % local_world_size == 0, "dist.fsdp.shard_size", size,
-               f"the world size {world_size} is not a whole number of nodes of {local_world_size} ranks")
-        return MeshShape("fsdp", world_size // local_world_size, local_world_size)
-    _check(isinstance(size, int) and not isinstance(size, bool) and size >= 1 and world_size % size == 0,
-           "dist.fsdp.shard_size", size, f"must be null, node, or a divisor of the world size {world_size} "
-           f"(one of {_divisors(world_size)})")
-    return MeshShape("fsdp", world_size // size, size)
+        _check(data % node == 0 and local_world_size % tp == 0, "dist.fsdp.shard_size", size,
+               f"the world size {world_size} is not a whole number of nodes of {local_world_size} ranks"
+               + (f" in tensor-parallel groups of dist.tp.size={tp}" if tp > 1 else ""))
+        return MeshShape("fsdp", data // node, node, tp)
+    _check(isinstance(size, int) and not isinstance(size, bool) and size >= 1 and data % size == 0,
+           "dist.fsdp.shard_size", size, f"must be null, node, or a divisor of the {data} data-parallel ranks "
+           f"(one of {_divisors(data)})" + (f"; world size {world_size} / dist.tp.size={tp}" if tp > 1 else ""))
+    return MeshShape("fsdp", data // size, size, tp)
 
 
 @dataclass(frozen=True)
@@ -265,9 +313,16 @@ class BatchPlan:
     max_steps: int
     mesh: Optional[MeshShape] = None  # always set by validate; None only in plans built by hand for the data order
 
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that see different micro-batches (world / dist.tp.size): micro x accum x data ranks = global."""
+        return self.world_size if self.mesh is None else self.mesh.data_ranks
+
     def describe(self) -> str:
+        ranks = (f"world size {self.world_size}" if self.data_ranks == self.world_size else
+                 f"data-parallel ranks {self.data_ranks} (world size {self.world_size} / tp {self.mesh.tp})")
         return (
-            f"world size {self.world_size} x micro batch {self.micro_batch_size} "
+            f"{ranks} x micro batch {self.micro_batch_size} "
             f"x accum steps {self.accum_steps} = global batch {self.global_batch_size} "
             f"samples per optimizer step; lr {self.base_lr:g} -> {self.lr:g} after scaling; "
             f"{self.max_steps} optimizer steps"
@@ -295,8 +350,11 @@ def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def derive_batch(batch: BatchConfig, world_size: int) -> tuple[int, int]:
-    """Return (accum_steps, global_batch_size); micro x accum x world = global."""
+def derive_batch(batch: BatchConfig, world_size: int, ranks: str = "world size") -> tuple[int, int]:
+    """Return (accum_steps, global_batch_size); micro x accum x world = global.
+
+    ``world_size``: the ranks that see different micro-batches (world / dist.tp.size), called ``ranks``.
+    """
     micro = batch.micro_batch_size
     _check(isinstance(micro, int) and not isinstance(micro, bool) and micro >= 1, "batch.micro_batch_size",
            micro, "must be an integer >= 1, or auto")
@@ -327,12 +385,12 @@ def derive_batch(batch: BatchConfig, world_size: int) -> tuple[int, int]:
                         f"batch.global_batch_size={step} (micro x world x batch.accum_steps), or drop batch.accum_steps")
         raise ConfigError(
             f"batch.global_batch_size={glob} is not batch.micro_batch_size={micro} x "
-            f"world size {world_size} x batch.accum_steps: {hint}; or set {other_global}"
+            f"{ranks} {world_size} x batch.accum_steps: {hint}; or set {other_global}"
         )
     if batch.accum_steps is not None and batch.accum_steps != per_rank:
         raise ConfigError(
             f"batch.accum_steps={batch.accum_steps} contradicts batch.global_batch_size={glob} "
-            f"/ (batch.micro_batch_size={micro} x world size {world_size}) = {per_rank}; "
+            f"/ (batch.micro_batch_size={micro} x {ranks} {world_size}) = {per_rank}; "
             "set one of them, or make them agree"
         )
     return per_rank, glob
@@ -423,6 +481,7 @@ def _validate_values(cfg: Config) -> None:
         _check(cfg.batch.micro_batch_size != "auto", "batch.micro_batch_size", "auto",
                "is not supported with dist.strategy=fsdp (its trials run the whole unsharded model on each "
                "rank): set an integer batch.micro_batch_size, or dist.strategy=ddp")
+    _validate_tp(cfg)
     _check_loggers(cfg.logger)
     for node in ("model", "data"):
         target = getattr(cfg, node).get("_target_")
@@ -436,6 +495,35 @@ def _validate_values(cfg: Config) -> None:
     prefetch = data.get("prefetch_factor")
     _check(prefetch is None or (isinstance(prefetch, int) and prefetch >= 1), "data.prefetch_factor", prefetch,
            "must be null (2 per worker) or an integer >= 1 (micro-batches each DataLoader worker keeps ready)")
+
+
+def _validate_tp(cfg: Config) -> None:
+    tp, d = cfg.dist.tp, cfg.dist
+    _check(isinstance(tp.size, int) and not isinstance(tp.size, bool) and tp.size >= 1, "dist.tp.size", tp.size,
+           "must be an integer >= 1 (1: no tensor parallelism)")
+    _check(tp.plan == "auto" or (isinstance(tp.plan, dict) and bool(tp.plan) and
+                                 all(isinstance(k, str) and v in TP_STYLES for k, v in tp.plan.items())),
+           "dist.tp.plan", tp.plan, f"auto, or a mapping of module-name patterns to one of {list(TP_STYLES)}")
+    _check(isinstance(tp.sequence_parallel, bool), "dist.tp.sequence_parallel", tp.sequence_parallel,
+           "must be true or false")
+    _check(isinstance(tp.loss_parallel, bool), "dist.tp.loss_parallel", tp.loss_parallel, "must be true or false")
+    if tp.size == 1:
+        return
+    # What tensor parallelism does not combine with, named by both keys, before anything is built.
+    _check(not d.sync_batchnorm, "dist.sync_batchnorm", d.sync_batchnorm,
+           f"is not supported with dist.tp.size={tp.size}: set dist.sync_batchnorm=false or dist.tp.size=1")
+    _check(d.check_consistency_every == 0, "dist.check_consistency_every", d.check_consistency_every,
+           f"compares whole replicas across ranks, and under dist.tp.size={tp.size} each rank holds a cut of "
+           "every layer: set dist.check_consistency_every=0 or dist.tp.size=1")
+    _check(cfg.batch.micro_batch_size != "auto", "batch.micro_batch_size", "auto",
+           f"is not supported with dist.tp.size={tp.size} (its trials run the whole model on each rank): "
+           "set an integer batch.micro_batch_size")
+    _check(not cfg.trainer.compile, "trainer.compile", cfg.trainer.compile,
+           f"is not supported with dist.tp.size={tp.size} yet: set trainer.compile=false or dist.tp.size=1")
+    lora = cfg.model.get("lora") or {}
+    _check(not (isinstance(lora, dict) and lora.get("r")), "model.lora.r", lora.get("r") if isinstance(lora, dict)
+           else lora, f"LoRA adapters on a tensor-parallel base are not supported yet (dist.tp.size={tp.size}): "
+           "set dist.tp.size=1, or model.lora.r=null for full fine-tuning")
 
 
 def validate(cfg: Config, world_size: int, local_world_size: Optional[int] = None) -> BatchPlan:
@@ -460,8 +548,10 @@ def validate(cfg: Config, world_size: int, local_world_size: Optional[int] = Non
         _check(glob >= world_size and glob % world_size == 0, "batch.global_batch_size", glob,
                f"must be a positive multiple of the world size {world_size} with batch.micro_batch_size=auto")
         batch = BatchConfig(micro_batch_size=1, global_batch_size=glob)  # provisional, until the finder runs
-    accum, glob = derive_batch(batch, world_size)
     mesh = derive_mesh(cfg.dist, world_size, local_world_size or world_size)
+    # The ranks of one tensor-parallel group see the same micro-batches: the split counts data-parallel ranks.
+    accum, glob = derive_batch(batch, mesh.data_ranks,
+                               "world size" if mesh.tp == 1 else f"data-parallel ranks (dist.tp.size={mesh.tp})")
     return BatchPlan(
         world_size=world_size,
         micro_batch_size=batch.micro_batch_size,

@@ -93,14 +93,14 @@ class StepPlan:
 
     def micro_batches(self, step: int) -> int:
         """Micro-batches every rank runs in step ``step`` of an epoch: rank 0's count (it gets the most)."""
-        glob, world, micro = self.plan.global_batch_size, self.plan.world_size, self.plan.micro_batch_size
+        glob, world, micro = self.plan.global_batch_size, self.plan.data_ranks, self.plan.micro_batch_size
         size = min(glob, self.num_samples - step * glob)
         return max(1, math.ceil(math.ceil(size / world) / micro))
 
     def windows(self, epoch: int, start_step: int = 0) -> Iterator[Window]:
         """This rank's windows for the epoch, from optimizer step ``start_step`` on, each computed when asked."""
         order = self.sample_order(epoch)
-        glob, world, micro = self.plan.global_batch_size, self.plan.world_size, self.plan.micro_batch_size
+        glob, world, micro = self.plan.global_batch_size, self.plan.data_ranks, self.plan.micro_batch_size
         for step in range(start_step, self.steps_per_epoch):
             begin = step * glob
             size = min(glob, self.num_samples - begin)

@@ -22,31 +22,47 @@ IGNORE_INDEX = -100
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention using fused ``scaled_dot_product_attention``."""
+    """Multi-head causal self-attention using fused ``scaled_dot_product_attention``.
+
+    Queries, keys and values are three projections (not one fused ``qkv``), so
+    that a column-wise tensor-parallel cut of each gives every rank whole heads;
+    the forward reads the number of heads it holds from the projection's width.
+    ``qkv.*`` in an older state dict is split into the three on load.
+    """
 
     def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool) -> None:
         super().__init__()
         if n_embd % n_head != 0:
             raise ValueError(f"model.n_embd ({n_embd}) must be divisible by model.n_head ({n_head})")
         self.n_head = n_head
-        self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=bias)
+        self.head_dim = n_embd // n_head
+        self.q = nn.Linear(n_embd, n_embd, bias=bias)
+        self.k = nn.Linear(n_embd, n_embd, bias=bias)
+        self.v = nn.Linear(n_embd, n_embd, bias=bias)
         self.proj = nn.Linear(n_embd, n_embd, bias=bias)
         self.proj.is_residual_proj = True  # type: ignore[attr-defined]
         self.attn_dropout = dropout
         self.resid_dropout = nn.Dropout(dropout)
+        self.register_load_state_dict_pre_hook(_split_fused_qkv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        # (B, T, C) -> (B, n_head, T, head_dim)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        B, T = x.shape[:2]
+        # (B, T, heads x head_dim) -> (B, heads, T, head_dim); heads: those this rank holds
+        q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.attn_dropout if self.training else 0.0, is_causal=True
         )
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        y = y.transpose(1, 2).reshape(B, T, -1)
         return self.resid_dropout(self.proj(y))
+
+
+def _split_fused_qkv(module: nn.Module, state_dict: dict, prefix: str, *args: object) -> None:
+    """A state dict of the fused layout (``qkv``: queries, keys, values stacked) loads into q, k, v."""
+    for kind in ("weight", "bias"):
+        fused = state_dict.pop(f"{prefix}qkv.{kind}", None)
+        if fused is not None:
+            for name, part in zip("qkv", fused.chunk(3)):
+                state_dict[f"{prefix}{name}.{kind}"] = part
 
 
 class MLP(nn.Module):
@@ -93,6 +109,15 @@ class GPT(nn.Module):
     # The repeated blocks, declared as Hugging Face models do: FSDP units and the unit of
     # activation checkpointing (dist.blocks overrides it).
     _no_split_modules = ["Block"]
+    # The tensor-parallel plan (dist.tp.plan=auto), as Hugging Face configurations declare theirs:
+    # each block's attention and MLP column-wise in, row-wise out; the embedding and the tied head
+    # cut by vocabulary rows; the norms on sequence shards under dist.tp.sequence_parallel.
+    tp_plan = {
+        "tok_emb": "rowwise", "pos_emb": "sequence_parallel", "head": "colwise",
+        "blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise", "blocks.*.attn.v": "colwise",
+        "blocks.*.attn.proj": "rowwise", "blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise",
+        "blocks.*.ln_1": "sequence_parallel", "blocks.*.ln_2": "sequence_parallel", "ln_f": "sequence_parallel",
+    }
 
     def __init__(
         self,
@@ -163,7 +188,7 @@ class GPT(nn.Module):
         assert T <= self.block_size, (
             f"sequence length {T} exceeds model block_size {self.block_size}"
         )
-        pos = torch.arange(T, device=input_ids.device)
+        pos = torch.arange(T, device=input_ids.device).unsqueeze(0)  # (1, T): its embedding's dim 1 is the sequence
         x = self.drop(self.tok_emb(input_ids) + self.pos_emb(pos))
         for block in self.blocks:
             x = block(x)

@@ -23,6 +23,7 @@ from .config import BatchPlan, Config, ConfigError, MeshShape, validate
 from .data import StepPlan, build_dataset
 from .parallel.blocks import find_blocks
 from .parallel.comm import COMM_KEYS as GRADIENT_COMM_KEYS
+from .parallel.tp import TP_COMM_KEYS, expected_tp_comm, local_shapes
 from .precision import Precision
 
 MIB = 2**20
@@ -57,10 +58,19 @@ def expected_buckets(params: List[torch.Tensor], bucket_cap_mb: float | None) ->
     return closed + [(dtype, n) for dtype, n in open_buckets.items() if n > 0]
 
 
-def shard_elements(p: torch.Tensor, shard: int) -> int:
-    """Elements of one rank's (padded) shard: FSDP2 cuts dim 0 as torch.chunk does, rank 0's the largest."""
-    rows = p.shape[0] if p.ndim else 1
-    return math.ceil(rows / shard) * (p.numel() // max(rows, 1))
+def shard_elements(p: torch.Tensor, shard: int, shape: Optional[torch.Size] = None) -> int:
+    """Elements of one rank's (padded) shard: FSDP2 cuts dim 0 as torch.chunk does, rank 0's the largest.
+
+    ``shape``: what this rank holds of ``p`` before FSDP cuts it (its tp cut; default the whole shape).
+    """
+    shape = p.shape if shape is None else shape
+    rows = shape[0] if len(shape) else 1
+    return math.ceil(rows / shard) * (math.prod(shape) // max(rows, 1))
+
+
+def sharded_by_fsdp(cfg: Config) -> bool:
+    """fsdp, hsdp, and ddp's replicas under tensor parallelism (FSDP2 with shard groups of one)."""
+    return cfg.dist.strategy == "fsdp" or cfg.dist.tp.size > 1
 
 
 def fsdp_units(model: nn.Module, blocks: List[nn.Module]) -> List[List[nn.Parameter]]:
@@ -79,9 +89,12 @@ def unit_shard_bytes(cfg: Config, model: nn.Module, precision: Precision, shard:
 
     Gathered in the compute dtype (half in master modes), gradients reduced in
     FP32 (trainable parameters only); a root with every parameter in blocks is (0, 0).
+    Under tp, of what this rank holds of each parameter.
     """
-    return [(sum(shard_elements(p, shard) * (precision.param_dtype or p.dtype).itemsize for p in unit),
-             sum(shard_elements(p, shard) for p in unit if p.requires_grad) * 4)
+    cut = local_shapes(model, cfg.dist.tp)
+    return [(sum(shard_elements(p, shard, cut.get(id(p))) * (precision.param_dtype or p.dtype).itemsize
+                 for p in unit),
+             sum(shard_elements(p, shard, cut.get(id(p))) for p in unit if p.requires_grad) * 4)
             for unit in fsdp_units(model, find_blocks(model, cfg.dist.blocks))]
 
 
@@ -105,7 +118,7 @@ def expected_comm(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Pre
     mesh: MeshShape = plan.mesh
     counts = dict.fromkeys(COMM_KEYS, 0)
     accum = plan.accum_steps
-    if mesh.kind == "ddp":
+    if not sharded_by_fsdp(cfg):
         params = [p for p in model.parameters() if p.requires_grad]
         sent = precision.weights_type.sent_element_size  # master modes send FP32 copies of half buckets
         buckets = expected_buckets(params, cfg.dist.bucket_cap_mb)
@@ -127,9 +140,28 @@ def expected_comm(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Pre
             if mesh.replicate > 1 and grad:
                 counts["allreduces"] += 1
                 counts["allreduce_bytes"] += grad
+    if mesh.tp > 1:  # the activations' collectives, counted apart and in the totals
+        tp = tp_comm(cfg, plan, model, precision)
+        counts.update(tp)
+        for key, value in tp.items():
+            counts[key[len("tp_"):]] += value
     counts["step_allreduces"] = 1
     counts["step_allreduce_bytes"] = step_stats_bytes(mesh.world_size)
     return counts
+
+
+def tp_comm(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision) -> Dict[str, int]:
+    """The tp collectives of one full step, for micro-batches of whole sequences of data.block_size tokens
+    (the model's block_size if the data has none; 1 where neither has: one activation row per sample).
+    Padded batches of shorter sequences send less."""
+    seq_len = cfg.data.get("block_size") or getattr(model, "block_size", None) or 1
+    param_bytes = (precision.param_dtype or torch.float32).itemsize
+    linear_bytes = precision.autocast_dtype.itemsize if precision.autocast_dtype is not None else param_bytes
+    blocks = find_blocks(model, cfg.dist.blocks) if cfg.dist.activation_checkpointing else []
+    names = {id(m): name for name, m in model.named_modules()}
+    return expected_tp_comm(model, cfg.dist.tp, plan.micro_batch_size * seq_len, seq_len, plan.accum_steps,
+                            param_bytes, linear_bytes, [names[id(b)] for b in blocks],
+                            plan.accum_steps if cfg.dist.fsdp.accum_sync == "every" else 1)
 
 
 def expected_peak_extra_bytes(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision) -> int:
@@ -147,11 +179,12 @@ def expected_peak_extra_bytes(cfg: Config, plan: BatchPlan, model: nn.Module, pr
     before the last backward (the largest unit's R on top, K > 1).
     """
     mesh = plan.mesh
-    if mesh.kind == "ddp":
+    if not sharded_by_fsdp(cfg):
         return 0
     S = mesh.shard
     units = unit_shard_bytes(cfg, model, precision, S)
-    gathered = [S * g for g, _ in units]
+    # A shard group of one rank computes with its shards as they are, unless they must be cast.
+    gathered = [0 if S == 1 and precision.param_dtype is None else S * g for g, _ in units]
     grads = [S * r for _, r in units]
     blocks, root = gathered[:-1], gathered[-1]
     reshard, accum = cfg.dist.fsdp.reshard, plan.accum_steps
@@ -185,7 +218,8 @@ def _optimizer_state_elements(cfg: Config, elements: int, tensors: int) -> int:
     return elements if cfg.optim.momentum > 0 else 0  # SGD's momentum buffer
 
 
-def expected_state_bytes(cfg: Config, params: List[torch.Tensor], shard: int) -> int:
+def expected_state_bytes(cfg: Config, params: List[torch.Tensor], shard: int,
+                         cut: Optional[Dict[int, torch.Size]] = None) -> int:
     """Model state one rank holds after an optimizer step (what ``state_mb`` measures), on the largest rank.
 
     ddp: every rank holds the parameters and their gradients in the parameters' dtype,
@@ -193,10 +227,12 @@ def expected_state_bytes(cfg: Config, params: List[torch.Tensor], shard: int) ->
     FP32 state. fsdp/hsdp: each tensor is cut in ``shard`` chunks (the shard group) along its first
     dimension (rank 0's is the largest); rank 0 holds its chunk of the FP32 parameter
     (which is the master in master modes), of its FP32 gradient and of the optimizer state.
+    ``cut``: id(parameter) -> what a rank holds of it under tp (tp_local_shapes), before FSDP's cut.
     """
+    cut = cut or {}
     tensors = len(params)
-    if cfg.dist.strategy == "fsdp":
-        local = sum(shard_elements(p, shard) for p in params)
+    if sharded_by_fsdp(cfg):
+        local = sum(shard_elements(p, shard, cut.get(id(p))) for p in params)
         return 4 * (2 * local + _optimizer_state_elements(cfg, local, tensors))
     elements = sum(p.numel() for p in params)
     own = 2 * sum(p.numel() * p.element_size() for p in params)  # parameters and their gradients
@@ -208,7 +244,7 @@ def meta_model(cfg: Config, precision: Precision) -> nn.Module:
     """The model as the strategy would hold it, on the meta device: shapes and dtypes, no memory."""
     with torch.device("meta"):
         model = instantiate(cfg.model, _convert_="all")
-        if cfg.dist.strategy == "ddp":  # fsdp keeps FP32 shards and casts when it gathers
+        if not sharded_by_fsdp(cfg):  # fsdp keeps FP32 shards and casts when it gathers
             precision.prepare(model)
     return model
 
@@ -226,17 +262,22 @@ def plan_numbers(cfg: Config, plan: BatchPlan, model: Optional[nn.Module] = None
     auto = cfg.batch.micro_batch_size == "auto"  # the split, and so K, is known only once the finder has run
     step = None if auto else expected_comm(cfg, plan, model, precision)
     mesh = plan.mesh
+    cut = local_shapes(model, cfg.dist.tp)
+    state = expected_state_bytes(cfg, params, mesh.shard, cut)
+    dims = dict(COMM_DIMS["hsdp" if mesh.kind == "ddp" and mesh.tp > 1 else mesh.kind])
+    if mesh.tp > 1:
+        dims.update({key: "tp" for key in TP_COMM_KEYS if not key.endswith("_bytes")})
     return {
-        "world_size": plan.world_size, "mesh": {"kind": mesh.kind, "replicate": mesh.replicate, "shard": mesh.shard},
-        "comm_dims": COMM_DIMS[mesh.kind],
+        "world_size": plan.world_size,
+        "mesh": {"kind": mesh.kind, "replicate": mesh.replicate, "shard": mesh.shard, "tp": mesh.tp},
+        "comm_dims": dims,
         "micro_batch_size": None if auto else plan.micro_batch_size, "accum_steps": None if auto else plan.accum_steps,
         "global_batch_size": plan.global_batch_size,
         "dist.fsdp.reshard": cfg.dist.fsdp.reshard if mesh.kind != "ddp" else None,
         "dist.fsdp.accum_sync": cfg.dist.fsdp.accum_sync if mesh.kind != "ddp" else None,
         "parameters": sum(p.numel() for p in params),
-        "state_mb": expected_state_bytes(cfg, params, mesh.shard) / MIB,
-        "step_peak_state_mb": None if auto else (expected_state_bytes(cfg, params, mesh.shard)
-                                                 + expected_peak_extra_bytes(cfg, plan, model, precision)) / MIB,
+        "state_mb": state / MIB,
+        "step_peak_state_mb": None if auto else (state + expected_peak_extra_bytes(cfg, plan, model, precision)) / MIB,
         "step": step, "first_step": None if step is None else first_step_comm(step),
         "resumed_step": None if step is None else resumed_step_comm(step),
     }
@@ -256,6 +297,22 @@ def comm_lines(numbers: Dict[str, Any], accum_steps: Optional[int]) -> List[str]
     step, kind = numbers["step"], numbers["mesh"]["kind"]
     if step is None:
         return ["  collectives per optimizer step: known once batch.micro_batch_size=auto has chosen the split"]
+    tp = numbers["mesh"].get("tp", 1)
+    if tp > 1:  # the data-parallel dimensions' collectives first (the totals less tp's), then tp's
+        step = {key: value - step.get(f"tp_{key}", 0) for key, value in step.items() if not key.startswith("tp_")}
+        kind = "hsdp" if kind == "ddp" else kind  # ddp's replicas are FSDP2's shard groups of one rank
+        return [*_dp_comm_lines(numbers, step, kind, accum_steps), *_tp_comm_lines(numbers["step"], tp)]
+    return _dp_comm_lines(numbers, step, kind, accum_steps)
+
+
+def _tp_comm_lines(step: Dict[str, int], tp: int) -> List[str]:
+    return [f"  tensor-parallel collectives per optimizer step (activations, over each tp group of {tp}): "
+            f"all-reduces {step['tp_allreduces']}, {_mib(step['tp_allreduce_bytes'])}; all-gathers "
+            f"{step['tp_all_gathers']}, {_mib(step['tp_all_gather_bytes'])}; reduce-scatters {step['tp_reduce_scatters']}, "
+            f"{_mib(step['tp_reduce_scatter_bytes'])} (also in the totals: all_gathers, reduce_scatters, allreduces)"]
+
+
+def _dp_comm_lines(numbers: Dict[str, Any], step: Dict[str, int], kind: str, accum_steps: Optional[int]) -> List[str]:
     if kind == "ddp":
         return [f"  gradient all-reduces per optimizer step: {step['allreduces']} (DDP buckets, expected), "
                 f"{_mib(step['allreduce_bytes'])}; without no_sync it would be {step['allreduces'] * accum_steps}"]
@@ -283,9 +340,11 @@ def plan_report(cfg: Config, world_size: int, local_world_size: Optional[int] = 
         write_plan_json(numbers, json_path)
     epochs = plan.max_steps / step_plan.steps_per_epoch
     auto = cfg.batch.micro_batch_size == "auto"
+    ranks = (f"world {world_size}" if plan.data_ranks == world_size else
+             f"data-parallel ranks {plan.data_ranks} (world {world_size} / dist.tp.size={plan.mesh.tp})")
     split = (f"  micro batch auto (the largest that fits, chosen on the GPU at start-up) x accum steps "
              f"{plan.global_batch_size // world_size} / micro x world {world_size}"
-             if auto else f"  micro batch {plan.micro_batch_size} x accum steps {plan.accum_steps} x world {world_size}")
+             if auto else f"  micro batch {plan.micro_batch_size} x accum steps {plan.accum_steps} x {ranks}")
     state = int(numbers["state_mb"] * MIB)
     return "\n".join([
         f"plan for world size {world_size} (no process group, nothing trained); mesh {plan.mesh.describe()}",

@@ -122,7 +122,8 @@ class Parts:
 def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
     torch.manual_seed(cfg.trainer.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
     train_set = build_dataset(cfg.data)
-    step_plan = StepPlan.for_config(len(train_set), cfg, plan, env.rank)  # checks the data before the model
+    # The ranks of a tensor-parallel group see the same micro-batches: the data follows the data-parallel rank.
+    step_plan = StepPlan.for_config(len(train_set), cfg, plan, plan.mesh.data_rank(env.rank))  # data before model
     eval_set = build_dataset(cfg.data, split="val") if "split" in cfg.data else None
     precision = Precision(cfg.precision, env.device)
     model = instantiate(cfg.model, _convert_="all")
@@ -130,7 +131,9 @@ def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
     strategy = build_strategy(model, env, cfg.dist, plan.mesh, precision, cfg.trainer.compile)
     optimizer = build_optimizer(strategy.weights.optimizer_params(), cfg.optim, plan.lr)
     trainer = Trainer(strategy, optimizer, precision, env, plan, cfg.optim, cfg.trainer, cfg.batch.partial_step)
-    torch.manual_seed(cfg.trainer.seed + env.rank)  # dropout and other runtime randomness per rank
+    # Dropout and other runtime randomness per data-parallel rank: a tp group's ranks draw alike, so what
+    # they hold whole (the residual stream without sequence parallelism) stays identical on each.
+    torch.manual_seed(cfg.trainer.seed + plan.mesh.data_rank(env.rank))
     return Parts(trainer, step_plan, train_set, eval_set, dict(cfg.model), frozen, cfg.trainer.seed)
 
 
@@ -150,7 +153,7 @@ def choose_micro_batch(cfg: Config, parts: Parts, env: DistEnv) -> BatchPlan:
         log.info("batch.micro_batch_size=auto: %d samples fit on every rank; using %d (divides %d per rank) "
                  "x accum steps %d", fits, plan.micro_batch_size, per_rank, plan.accum_steps)
     trainer.plan = plan
-    parts.step_plan = StepPlan.for_config(len(parts.train_set), cfg, plan, env.rank)
+    parts.step_plan = StepPlan.for_config(len(parts.train_set), cfg, plan, plan.mesh.data_rank(env.rank))
     return plan
 
 
@@ -284,7 +287,8 @@ def _loop(cfg: Config, parts: Parts, position: Position, outputs: Outputs, stop:
     # Not "eval_set and loader": a DataLoader with no batches is falsy, and a rank left
     # without held-out samples must still join evaluate()'s all-reduce.
     evals = (None if eval_set is None else
-             eval_loader(eval_set, plan.micro_batch_size, tcfg.eval_batches, env.rank, env.world_size, num_workers))
+             eval_loader(eval_set, plan.micro_batch_size, tcfg.eval_batches, plan.mesh.data_rank(env.rank),
+                         plan.data_ranks, num_workers))
     # One loader for the run: with data.num_workers > 0 its workers start once and serve every epoch.
     loader = TrainLoader(parts.train_set, parts.step_plan, num_workers, pin, cfg.data.get("prefetch_factor"))
     compiles = CompileWatch(tcfg.compile, env.is_main)

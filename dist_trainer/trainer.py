@@ -88,7 +88,7 @@ def loss_terms(output: Any, batch: Any, count: bool) -> tuple[torch.Tensor, torc
     this rank joins the all-reduce, but contributes nothing.
     """
     if isinstance(output, Mapping):
-        loss_sum = output["loss_sum"].float()
+        loss_sum = local_tensor(output["loss_sum"]).float()  # a loss-parallel loss is replicated: take it whole
         items = torch.as_tensor(output["num_items"], device=loss_sum.device).to(torch.float64)
     else:
         if not isinstance(output, torch.Tensor) or output.ndim != 0:
@@ -128,6 +128,9 @@ class Trainer:
         # The trainer's own all-reduces (totals and flags; once, the first divisor and state_mb),
         # counted where they are issued, as the strategy counts its collectives.
         self.own_comm = {"step_allreduces": 0, "step_allreduce_bytes": 0}
+        # 1 on the rank whose micro-batches count in the step's totals, 0 on the other ranks of its
+        # tensor-parallel group (which ran the same ones); 1 everywhere without tp.
+        self.batch_share = float(plan.mesh is None or plan.mesh.counts_batch(env.rank))
 
     def train_step(self, batches: List[Any], window: Window, step: int,
                    stop_requested: Callable[[], bool] = lambda: False, data_time_s: float = 0.0) -> StepOutcome:
@@ -176,9 +179,9 @@ class Trainer:
 
     def _first_divisor(self, items: torch.Tensor) -> float:
         """Items of the first micro-batch, averaged over ranks: once, at the first step."""
-        total = items.detach().clone().to(torch.float64)
+        total = items.detach().clone().to(torch.float64) * self.batch_share
         self._all_reduce(total)
-        return max(total.item() / self.env.world_size, 1.0)
+        return max(total.item() / self.plan.data_ranks, 1.0)
 
     def _reduce_window(self, loss_sum: torch.Tensor, items: torch.Tensor, samples: int,
                        stop_requested: Callable[[], bool], times: tuple[float, float]) -> dict:
@@ -192,15 +195,16 @@ class Trainer:
         compute) go in its own slots, so the sum holds every rank's: the straggler
         figures cost no collective of their own.
         """
-        grads = [g for _, g in self.weights.grads()]
         world = self.env.world_size
         stats = torch.zeros(5 + 3 * world, dtype=torch.float64, device=self.env.device)
         # Read the stop flag now, at the step's end: a signal that came during
         # this step stops the run after it, not after the next one.
-        stats[0], stats[1], stats[2], stats[3] = loss_sum, items, samples, float(stop_requested())
+        # The ranks of one tensor-parallel group ran the same micro-batches: the first speaks for them.
+        share = self.batch_share
+        stats[0], stats[1], stats[2], stats[3] = loss_sum * share, items * share, samples * share, float(stop_requested())
         # The strategy knows what this rank holds (the whole gradient, or a shard, maybe
         # replicated): its shares add up over ranks to the squared norm of the whole gradient.
-        stats[4] = self.strategy.grad_norm_sq(grads)
+        stats[4] = self.strategy.grad_norm_sq(self.weights.grads())
         stats[5 + self.env.rank] = (~torch.isfinite(loss_sum)).to(torch.float64)
         stats[5 + world + self.env.rank], stats[5 + 2 * world + self.env.rank] = times
         self._all_reduce(stats)
@@ -223,7 +227,7 @@ class Trainer:
         # step. A short last step (1 sample, say) would shrink it and make the next full
         # step's scaled losses overflow fp16, skipping that step and halving the scale.
         if items > 0 and totals["samples"] == self.plan.global_batch_size:
-            self.loss_divisor = items / (self.env.world_size * self.plan.accum_steps)
+            self.loss_divisor = items / (self.plan.data_ranks * self.plan.accum_steps)
         outcome = StepOutcome(loss, int(items), totals["samples"], lr,
                               scale if self.precision.scaler.dynamic else None, None, True,
                               self.item_form, totals["stop"], 0, 0)
@@ -238,9 +242,9 @@ class Trainer:
             self.weights.zero_grad()
             log.warning("step %d holds no items to learn from (every target ignored?); nothing was updated", step)
             return outcome
-        # The reduction averaged over ranks; undo that, the loss scale and the divisor, and
-        # divide by the true item count of the whole step: one multiply.
-        factor = self.env.world_size * divisor / (scale * items)
+        # The reduction averaged over the data-parallel ranks; undo that, the loss scale and the
+        # divisor, and divide by the true item count of the whole step: one multiply.
+        factor = self.plan.data_ranks * divisor / (scale * items)
         if self.partial_step == "scaled":  # a short last step counts by the samples it holds
             factor *= totals["samples"] / self.plan.global_batch_size
         grad_norm = totals["raw_norm"] * factor

@@ -126,7 +126,7 @@ def test_gpt_init_loss_and_grads() -> None:
     for name, p in model.named_parameters():
         assert p.grad is not None, name
         assert torch.isfinite(p.grad).all(), name
-    assert float(model.blocks[0].attn.qkv.weight.grad.abs().sum()) > 0
+    assert float(model.blocks[0].attn.q.weight.grad.abs().sum()) > 0
 
 
 def test_gpt_rejects_too_long_sequence() -> None:

@@ -77,6 +77,27 @@ class HFModel(nn.Module):
             labels = labels.masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
         return labels
 
+    @property
+    def tp_plan(self) -> Optional[Dict[str, str]]:
+        """The configuration's ``base_model_tp_plan`` (under this wrapper's names), the head column-wise.
+
+        A head tied to the input embedding (one weight) cuts the embedding by vocabulary rows
+        too. Styles Hugging Face spells out further (``colwise_rep``, ``rowwise_rep``) are the two
+        cuts; a plan of a peft model (LoRA adapters) is not known: None.
+        """
+        base = dict(getattr(self.model.config, "base_model_tp_plan", None) or {})
+        if not base or not hasattr(self.model, "base_model_prefix") or hasattr(self.model, "peft_config"):
+            return None
+        names = {id(m): name for name, m in self.model.named_modules()}
+        plan = {f"model.{self.model.base_model_prefix}.{pattern}": style.split("_")[0]
+                for pattern, style in base.items()}
+        head, embedding = self.model.get_output_embeddings(), self.model.get_input_embeddings()
+        if head is not None and id(head) in names:
+            plan[f"model.{names[id(head)]}"] = "colwise"
+            if embedding is not None and embedding.weight is head.weight:
+                plan[f"model.{names[id(embedding)]}"] = "rowwise"
+        return plan
+
     def flops_per_item(self) -> float:
         """Training FLOPs per token (6 per weight, and attention's 12 * layers * width * context)."""
         cfg = self.model.config

@@ -45,8 +45,9 @@ class Strategy(Protocol):
     def evaluation(self) -> ContextManager:
         """The context of evaluation's forward passes (leaves nothing gathered behind)."""
 
-    def grad_norm_sq(self, grads: List[torch.Tensor]) -> torch.Tensor:
-        """This rank's float64 share of the squared global gradient norm: summed over ranks, the norm squared."""
+    def grad_norm_sq(self, grads: List[Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """This rank's float64 share of the squared global gradient norm from (parameter, gradient) pairs:
+        summed over ranks, the norm squared."""
 
     def track_peak(self, on: bool) -> None:
         """Start (or stop) measuring what the step holds beyond the model state: gathered parameters, unsharded grads."""
@@ -76,8 +77,12 @@ class Strategy(Protocol):
 
 def build_strategy(model: nn.Module, env: DistEnv, cfg: DistConfig, mesh: MeshShape, precision: Precision,
                    compile: bool = False) -> Strategy:
-    """The strategy of ``dist.strategy`` on ``mesh``, wrapping ``model`` (on the CPU, as instantiated)."""
-    if mesh.strategy == "fsdp":
+    """The strategy of ``dist.strategy`` on ``mesh``, wrapping ``model`` (on the CPU, as instantiated).
+
+    Under tensor parallelism (``mesh.tp`` > 1) ddp's replicas are FSDP2's too, with shard groups of one
+    data-parallel rank: FSDP2 takes parameters already cut over the tp dimension, DDP does not.
+    """
+    if mesh.strategy == "fsdp" or mesh.tp > 1:
         from .fsdp import FSDPStrategy
 
         return FSDPStrategy(model, env, cfg, mesh, precision, compile)

@@ -116,7 +116,7 @@ class DDPStrategy:
     def peak_bytes(self) -> int:
         return 0
 
-    def grad_norm_sq(self, grads: List[torch.Tensor]) -> torch.Tensor:
+    def grad_norm_sq(self, grads: List[Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """This rank's share of the squared global norm: the sum over ranks is the norm squared.
 
         Every rank holds the same whole (all-reduced) gradient, so rank 0 gives
@@ -124,7 +124,8 @@ class DDPStrategy:
         (sqrt gives back the FP32 norm bit for bit), and a non-finite norm on
         any rank still makes it non-finite (inf x 0 is NaN).
         """
-        norm = torch.nn.utils.get_total_norm(grads, error_if_nonfinite=False) if grads else torch.zeros(())
+        norm = (torch.nn.utils.get_total_norm([g for _, g in grads], error_if_nonfinite=False) if grads
+                else torch.zeros(()))
         return norm.double().square() * float(self.is_first_replica)
 
     def grads_ready_at(self) -> float:

@@ -37,7 +37,7 @@ no second copy, and gradients are reduced in FP32.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -60,6 +60,7 @@ from ..precision import Precision, frozen_names
 from .blocks import prepare_blocks
 from .comm import COMM_KEYS
 from .state import local_tensor, named_optimizer_state, optimizer_param_names
+from .tp import apply_tp, tp_sharded
 
 
 def checkpointed(module: nn.Module) -> StateDictOptions:
@@ -185,11 +186,23 @@ class ShardedWeights:
         set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
 
 
-def device_mesh(mesh: MeshShape, device_type: str) -> DeviceMesh:
-    """fsdp: a 1-D mesh of every rank; hsdp: (replicate, shard), shard groups of consecutive ranks."""
-    if mesh.replicate == 1:
-        return init_device_mesh(device_type, (mesh.shard,), mesh_dim_names=("shard",))
-    return init_device_mesh(device_type, (mesh.replicate, mesh.shard), mesh_dim_names=("replicate", "shard"))
+def device_mesh(mesh: MeshShape, device_type: str) -> Tuple[DeviceMesh, Optional[DeviceMesh]]:
+    """(the data-parallel mesh, the tensor-parallel one or None).
+
+    fsdp: a 1-D mesh of every rank; hsdp: (replicate, shard), shard groups of
+    consecutive ranks. With dist.tp.size > 1 both are cut from one
+    (replicate, shard, tp) mesh, tp innermost (FSDP2 needs the parameters'
+    tp mesh and its own to share a root).
+    """
+    if mesh.tp == 1:
+        if mesh.replicate == 1:
+            return init_device_mesh(device_type, (mesh.shard,), mesh_dim_names=("shard",)), None
+        return init_device_mesh(device_type, (mesh.replicate, mesh.shard),
+                                mesh_dim_names=("replicate", "shard")), None
+    root = init_device_mesh(device_type, (mesh.replicate, mesh.shard, mesh.tp),
+                            mesh_dim_names=("replicate", "shard", "tp"))
+    data = root["shard"] if mesh.replicate == 1 else root["replicate", "shard"]
+    return data, root["tp"]
 
 
 def set_prefetch(blocks: List[nn.Module], ahead: int) -> None:
@@ -213,13 +226,15 @@ class FSDPStrategy:
     def __init__(self, model: nn.Module, env: DistEnv, cfg: DistConfig, mesh: MeshShape, precision: Precision,
                  compile: bool = False):
         model = model.to(env.device)
+        dmesh, tp_mesh = device_mesh(mesh, env.device.type)
+        # torchtitan's order: tensor parallelism, then checkpointing and compile per block, then fully_shard.
+        self.tp = apply_tp(model, tp_mesh, cfg.tp) if tp_mesh is not None else None
         blocks = prepare_blocks(model, cfg.blocks, cfg.activation_checkpointing, compile)  # before fully_shard
         self.mesh = mesh
         policy = (MixedPrecisionPolicy(param_dtype=precision.param_dtype, reduce_dtype=torch.float32)
                   if precision.param_dtype is not None else MixedPrecisionPolicy())
         self.reshard = cfg.fsdp.reshard
         after_forward = self.reshard == "micro_batch"  # given explicitly, to the root too
-        dmesh = device_mesh(mesh, env.device.type)
         for block in blocks:
             fully_shard(block, mesh=dmesh, reshard_after_forward=after_forward, mp_policy=policy)
         fully_shard(model, mesh=dmesh, reshard_after_forward=after_forward, mp_policy=policy)
@@ -238,13 +253,22 @@ class FSDPStrategy:
         self.model = self.module = model
         self.root: FSDPModule = model  # type: ignore[assignment]
         self.accum_sync = cfg.fsdp.accum_sync
-        # Replicas hold equal shards: the first replica's ranks alone give the gradient norm.
-        self.is_first_replica = env.rank < mesh.shard
+        # Replicas hold equal shards: the first replica's ranks alone give the gradient norm. Of a
+        # parameter whole on every rank of a tp group (a norm's), the group's first rank alone.
+        first_replica = mesh.data_rank(env.rank) < mesh.shard
         self.weights = ShardedWeights(model)
-        self.groups = [dist.group.WORLD, *dmesh.get_all_groups()]
+        first_of_tp = env.rank % mesh.tp == 0
+        self.norm_share = {p: float(first_replica and (first_of_tp or tp_sharded(p, tp_mesh)))
+                           for p in self.weights.params}
+        self.groups = [dist.group.WORLD, *dmesh.get_all_groups(), *(tp_mesh.get_all_groups() if tp_mesh else [])]
+        self._tp_context = self.tp.context if self.tp is not None else nullcontext
 
     @contextmanager
     def micro_batch(self, last: bool) -> Iterator[None]:
+        with self._tp_context():  # tp: the vocabulary-sharded loss in forward and backward, tp collectives counted
+            yield from self._micro_batch(last)
+
+    def _micro_batch(self, last: bool) -> Iterator[None]:
         if self.accum_sync == "last":
             self.root.set_requires_gradient_sync(last)  # every unit: keep unsharded grads until the last
         elif self.mesh.replicate > 1:
@@ -259,7 +283,8 @@ class FSDPStrategy:
     @contextmanager
     def evaluation(self) -> Iterator[None]:
         try:
-            yield
+            with self._tp_context(count=False) if self.tp is not None else nullcontext():
+                yield
         finally:  # forward without backward: reshard=forward/step would leave units gathered
             self.reshard_all()
 
@@ -276,22 +301,32 @@ class FSDPStrategy:
         for unit in self.units:
             unit.reshard()
 
-    def grad_norm_sq(self, grads: List[torch.Tensor]) -> torch.Tensor:
-        """This rank's share of the squared global norm: its shards' squared norms, first replica only.
+    def grad_norm_sq(self, grads: List[Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """This rank's share of the squared global norm: its shards' squared norms, each counted once.
 
         The shards of one shard group make the whole gradient; other replicas
         hold the same shards and give zero times theirs (a non-finite value
-        anywhere still makes the sum non-finite: inf x 0 is NaN).
+        anywhere still makes the sum non-finite: inf x 0 is NaN). Under tp a
+        parameter cut over the tp group counts on each of its ranks; one whole
+        on each (a norm's) on the group's first rank only.
         """
-        local = (torch.stack(torch._foreach_norm(grads)).double().square().sum() if grads
-                 else torch.zeros((), dtype=torch.float64))
-        return local * float(self.is_first_replica)
+        if not grads:
+            return torch.zeros((), dtype=torch.float64)
+        norms = torch.stack(torch._foreach_norm([g for _, g in grads])).double().square()
+        shares = torch.tensor([self.norm_share[p] for p, _ in grads], dtype=torch.float64, device=norms.device)
+        return (norms * shares).sum()
 
     def grads_ready_at(self) -> float:
         return self.counter.last_reduce_scatter
 
     def comm(self) -> Dict[str, int]:
-        return dict(self.counter.counts)
+        """FSDP's collectives and, under tp, the activations' (also apart, under tp_* keys)."""
+        counts = dict(self.counter.counts)
+        if self.tp is not None:
+            for key, value in self.tp.counts.items():
+                counts[key] = value
+                counts[key[len("tp_"):]] += value
+        return counts
 
     def consistency_tensors(self) -> List[Tuple[str, torch.Tensor]]:
         return list(self.module.named_buffers())  # parameters are sharded: only buffers are replicated

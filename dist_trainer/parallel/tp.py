@@ -1,0 +1,368 @@
+"""Tensor parallelism (``dist.tp.*``): each layer cut over the ranks of the mesh's innermost dimension.
+
+``apply_tp`` transforms the model in place on the ``tp`` sub-mesh, before
+activation checkpointing, compilation and the data-parallel wrapping
+(torchtitan's order). The plan maps module-name patterns (``*`` matches one
+name) to a style:
+
+* ``colwise``: a Linear's output features (an Embedding's width) cut over the
+  ranks; its input is whole. Attention projections cut this way give each rank
+  whole heads.
+* ``rowwise``: a Linear's input features (an Embedding's vocabulary rows) cut;
+  the partial outputs are summed: an all-reduce, or under sequence parallelism
+  a reduce-scatter onto sequence shards.
+* ``sequence_parallel``: a norm (or dropout) that runs on this rank's shard of
+  the sequence between the parallel regions; on an Embedding of positions, its
+  output is cut to the rank's shard. Nothing under ``sequence_parallel=false``.
+* ``replicate``: left whole on every rank.
+
+Where several column-wise layers read the same input (queries, keys, values),
+their parent gathers it once (under sequence parallelism) and hands them one
+replicated input, so backward sums their input gradients before one reduction.
+The head (the last column-wise layer, after every row-wise one) keeps its logits
+cut over the vocabulary under ``loss_parallel``: the cross-entropy is computed on
+the shards, in forward and backward, inside ``TensorParallel.context()``.
+
+Tied weights (the built-in GPT's head is its token embedding) are tied again
+after the cut; both must be cut alike (head colwise, embedding rowwise).
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import ExitStack
+from typing import Any, ContextManager, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleOutput, RowwiseParallel,
+                                               SequenceParallel, loss_parallel, parallelize_module)
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..config import ConfigError, TPConfig
+
+SEQUENCE = Shard(1)  # activations are (batch, sequence, features): sequence shards are dim 1
+
+
+def declared_plan(model: nn.Module) -> Optional[Dict[str, str]]:
+    """The model's own plan: ``tp_plan`` (the built-in GPT, an ``HFModel`` from its configuration)."""
+    plan = getattr(model, "tp_plan", None)
+    return dict(plan) if plan else None
+
+
+def resolve_plan(model: nn.Module, cfg: TPConfig) -> Dict[str, str]:
+    """Module name -> style for every module the plan names; ConfigError naming dist.tp.plan otherwise."""
+    patterns = declared_plan(model) if cfg.plan == "auto" else dict(cfg.plan)
+    if not patterns:
+        raise ConfigError(f"dist.tp.size={cfg.size}: {type(model).__name__} declares no tensor-parallel plan "
+                          "(tp_plan, or a Hugging Face configuration's base_model_tp_plan); set dist.tp.plan to a "
+                          "mapping of module-name patterns to colwise, rowwise, sequence_parallel or replicate")
+    names = [name for name, _ in model.named_modules() if name]
+    resolved: Dict[str, str] = {}
+    for pattern, style in patterns.items():
+        regex = re.compile("[^.]+".join(re.escape(part) for part in pattern.split("*")))
+        matched = [name for name in names if regex.fullmatch(name)]
+        if not matched:
+            raise ConfigError(f"dist.tp.plan: the pattern {pattern!r} matches no module of {type(model).__name__} "
+                              f"(its modules are named like {names[:6]}...)")
+        resolved.update(dict.fromkeys(matched, style))
+    return resolved
+
+
+def check_divisible(model: nn.Module, plan: Dict[str, str], size: int) -> None:
+    """Every cut dimension divides by the tp size, and so does every head count; ConfigError naming the module."""
+    modules = dict(model.named_modules())
+    for name, style in plan.items():
+        module = modules[name]
+        dims = {("colwise", nn.Linear): 0, ("rowwise", nn.Linear): 1, ("colwise", nn.Embedding): 1,
+                ("rowwise", nn.Embedding): 0}
+        kind = nn.Linear if isinstance(module, nn.Linear) else nn.Embedding if isinstance(module, nn.Embedding) \
+            else None
+        if style in ("colwise", "rowwise"):
+            if kind is None:
+                raise ConfigError(f"dist.tp.plan: {name} is a {type(module).__name__}; {style} cuts a Linear or "
+                                  "an Embedding only")
+            rows = module.weight.shape[dims[(style, kind)]]
+            if rows % size:
+                raise ConfigError(f"dist.tp.size={size}: {name} ({style}) has {rows} features to cut, not a "
+                                  f"multiple of {size}")
+    for name, module in modules.items():
+        for attr in ("n_head", "num_heads", "num_attention_heads", "num_key_value_heads"):
+            heads = getattr(module, attr, None) or getattr(getattr(module, "config", None), attr, None)
+            if isinstance(heads, int) and heads % size:
+                raise ConfigError(f"dist.tp.size={size}: {name or type(module).__name__} has {attr}={heads}, not "
+                                  f"divisible by the tp size; every rank must hold whole heads")
+
+
+def checked_plan(model: nn.Module, cfg: TPConfig) -> Dict[str, str]:
+    """The resolved plan, checked as training checks it (plan mode too): ConfigError naming the key."""
+    plan = resolve_plan(model, cfg)
+    check_divisible(model, plan, cfg.size)
+    if cfg.sequence_parallel and "sequence_parallel" not in plan.values():
+        raise ConfigError(f"dist.tp.sequence_parallel=true: the plan of {type(model).__name__} places no norm on "
+                          "sequence shards (no module is sequence_parallel); set dist.tp.sequence_parallel=false, "
+                          "or give dist.tp.plan the norms and position embeddings as sequence_parallel")
+    return plan
+
+
+def head_of(model: nn.Module, plan: Dict[str, str]) -> Optional[str]:
+    """The output head: the last column-wise Linear, after every row-wise module (None if there is none)."""
+    order = [name for name, _ in model.named_modules() if name in plan]
+    head = None
+    for name in order:
+        if plan[name] == "rowwise":
+            head = None
+        elif plan[name] == "colwise" and isinstance(model.get_submodule(name), nn.Linear):
+            head = name
+    return head
+
+
+def _tied_groups(model: nn.Module) -> List[List[Tuple[str, str]]]:
+    """(module name, attribute) of each parameter that more than one module holds."""
+    holders: Dict[int, List[Tuple[str, str]]] = {}
+    for mname, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            holders.setdefault(id(p), []).append((mname, pname))
+    return [group for group in holders.values() if len(group) > 1]
+
+
+def _gather_input(mesh: DeviceMesh, sequence_parallel: bool):
+    """A parent's pre-hook: its first tensor input as one replicated DTensor for every column-wise child.
+
+    Under sequence parallelism the input is this rank's sequence shard: gathered
+    once here (an all-gather), and in backward the children's summed input
+    gradients are reduce-scattered once. Otherwise the input is whole, and
+    backward all-reduces the summed gradient once.
+    """
+    placement = SEQUENCE if sequence_parallel else Replicate()
+
+    def to_replicated(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, [placement], run_check=False)
+        return x.redistribute(mesh, [Replicate()])
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
+        if args:
+            return (to_replicated(args[0]), *args[1:]), kwargs
+        key = next(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
+        return args, {**kwargs, key: to_replicated(kwargs[key])}
+
+    return hook
+
+
+def _style(module: nn.Module, style: str, is_head: bool, cfg: TPConfig, parent_gathers: bool) -> Optional[Any]:
+    """The torch ParallelStyle of ``style`` for ``module`` (None: nothing to do)."""
+    sp = cfg.sequence_parallel
+    stream = SEQUENCE if sp else Replicate()  # how activations between the parallel regions are laid out
+    if style == "colwise":
+        if is_head:
+            out = Shard(-1) if cfg.loss_parallel else Replicate()
+            return ColwiseParallel(input_layouts=stream, output_layouts=out, use_local_output=not cfg.loss_parallel)
+        if isinstance(module, nn.Embedding):
+            return ColwiseParallel(input_layouts=Replicate(), output_layouts=stream)
+        return ColwiseParallel(input_layouts=Replicate() if parent_gathers else stream)
+    if style == "rowwise":
+        if isinstance(module, nn.Embedding):
+            return RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
+        return RowwiseParallel(output_layouts=stream)
+    if style == "sequence_parallel" and sp:
+        if isinstance(module, nn.Embedding):  # positions: whole on every rank, each rank keeps its shard
+            return PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=SEQUENCE)
+        return SequenceParallel()
+    return None
+
+
+def apply_tp(model: nn.Module, mesh: DeviceMesh, cfg: TPConfig) -> "TensorParallel":
+    """Cut ``model`` in place over ``mesh`` (the tp sub-mesh) as its plan says."""
+    plan = checked_plan(model, cfg)
+    head = head_of(model, plan)
+    tied = _tied_groups(model)
+    parents = {name.rpartition(".")[0] for name, style in plan.items()
+               if style == "colwise" and name != head and isinstance(model.get_submodule(name), nn.Linear)}
+    styles = {}
+    for name, style in plan.items():
+        parent_gathers = name.rpartition(".")[0] in parents
+        chosen = _style(model.get_submodule(name), style, name == head, cfg, parent_gathers)
+        if chosen is not None:
+            styles[name] = chosen
+    parallelize_module(model, mesh, styles)
+    for parent in parents:
+        model.get_submodule(parent).register_forward_pre_hook(_gather_input(mesh, cfg.sequence_parallel),
+                                                              with_kwargs=True)
+    _tie_again(model, tied)
+    return TensorParallel(mesh, cfg.loss_parallel and head is not None, plan, head)
+
+
+def _tie_again(model: nn.Module, groups: List[List[Tuple[str, str]]]) -> None:
+    """Each tied group holds the first holder's (now cut) parameter again; both must be cut alike."""
+    for (first_module, first_name), *others in groups:
+        param = getattr(model.get_submodule(first_module), first_name)
+        for module_name, name in others:
+            mine = getattr(model.get_submodule(module_name), name)
+            if _placements(mine) != _placements(param):
+                raise ConfigError(f"dist.tp.plan: {first_module}.{first_name} and {module_name}.{name} are one "
+                                  f"tied weight but the plan cuts them differently ({_placements(param)} and "
+                                  f"{_placements(mine)}); cut the embedding rowwise and the head colwise")
+            setattr(model.get_submodule(module_name), name, param)
+
+
+def _placements(p: torch.Tensor) -> tuple:
+    return tuple(p.placements) if isinstance(p, DTensor) else (Replicate(),)
+
+
+def local_shapes(model: nn.Module, cfg: TPConfig) -> Dict[int, torch.Size]:
+    """id(parameter) -> the shape each tp rank holds of it (parameters the plan cuts; whole shapes given)."""
+    if cfg.size == 1:
+        return {}
+    plan = resolve_plan(model, cfg)
+    shapes = {}
+    for name, style in plan.items():
+        module = model.get_submodule(name)
+        if style not in ("colwise", "rowwise"):
+            continue
+        linear = isinstance(module, nn.Linear)
+        dim = 0 if (style == "colwise") == linear else 1  # colwise Linear / rowwise Embedding: rows
+        for pname, p in module.named_parameters(recurse=False):
+            if pname == "bias" and dim == 1:
+                continue  # a row-wise Linear's bias is added once, whole
+            shape = list(p.shape)
+            shape[dim if p.ndim > 1 else 0] //= cfg.size
+            shapes[id(p)] = torch.Size(shape)
+    return shapes
+
+
+def tp_sharded(p: torch.Tensor, mesh: DeviceMesh) -> bool:
+    """Whether ``p`` is cut over the tp dimension (each rank a different part) rather than whole on each."""
+    if not isinstance(p, DTensor) or "tp" not in (p.device_mesh.mesh_dim_names or ()):
+        return False
+    return p.placements[p.device_mesh.mesh_dim_names.index("tp")].is_shard()
+
+
+class _CountCollectives(TorchDispatchMode):
+    """Counts the activation collectives DTensor issues (torch's functional collectives) with their bytes."""
+
+    KINDS = {"all_reduce": "allreduces", "all_reduce_": "allreduces", "all_gather_into_tensor": "all_gathers",
+             "reduce_scatter_tensor": "reduce_scatters"}
+
+    def __init__(self, counts: Dict[str, int]):
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **(kwargs or {}))
+        if any(t is DTensor for t in types):
+            # A DTensor's op: let DTensor run it, so the collectives it issues inside come back here.
+            return NotImplemented
+        out = func(*args, **(kwargs or {}))
+        if func.namespace == "_c10d_functional":
+            kind = self.KINDS.get(func._opname)
+            if kind is not None:
+                # bytes as fsdp counts them: the whole (gathered, or reduced-from) tensor
+                big = out if kind == "all_gathers" else args[0]
+                self.counts[f"tp_{kind}"] += 1
+                self.counts[f"tp_{kind[:-1]}_bytes"] += big.numel() * big.element_size()
+        return out
+
+
+TP_COMM_KEYS = ("tp_all_gathers", "tp_all_gather_bytes", "tp_reduce_scatters", "tp_reduce_scatter_bytes",
+                "tp_allreduces", "tp_allreduce_bytes")
+
+
+class TensorParallel:
+    """What the strategy keeps of the cut: the loss-parallel context and the tp collectives' counters."""
+
+    def __init__(self, mesh: DeviceMesh, loss_parallel: bool, plan: Dict[str, str], head: Optional[str]):
+        self.mesh, self.loss_parallel, self.plan, self.head = mesh, loss_parallel, plan, head
+        self.counts = dict.fromkeys(TP_COMM_KEYS, 0)
+
+    def context(self, count: bool = True) -> ContextManager:
+        """Forward and backward of one micro-batch (or evaluation): the vocabulary-sharded loss, counted."""
+        stack = ExitStack()
+        if self.loss_parallel:
+            stack.enter_context(loss_parallel())
+        if count:
+            stack.enter_context(_CountCollectives(self.counts))
+        return stack
+
+
+def expected_tp_comm(model: nn.Module, cfg: TPConfig, tokens: int, seq_len: int, accum: int, param_bytes: int,
+                     linear_bytes: int, checkpointed: List[str], grad_reductions: int = 1) -> Dict[str, int]:
+    """Calls and bytes of the tp collectives of one optimizer step of ``accum`` micro-batches, by metrics key.
+
+    ``tokens``: a micro-batch's (micro batch x sequence length); ``param_bytes``: bytes of an element of
+    the parameters as computed with, which the embeddings, norms and the residual stream carry;
+    ``linear_bytes``: of a Linear's output (autocast's dtype, else the parameters'); ``checkpointed``: the
+    names of the blocks whose forward runs again in backward (activation checkpointing), but for
+    the last row-wise layer of each (recomputation stops at the last activation backward needs).
+
+    Per micro-batch, under sequence parallelism (else all-reduces where marked):
+    a row-wise Linear reduce-scatters its output in forward (all-reduce) and all-gathers its
+    gradient in backward (nothing); a parent of column-wise layers all-gathers their input once in
+    forward (nothing) and reduce-scatters its summed gradient in backward (all-reduce); a row-wise
+    Embedding as a row-wise Linear; an Embedding of positions all-gathers its output's gradient in
+    backward (nothing); the head all-gathers its input in forward (nothing) and reduce-scatters its
+    gradient in backward (all-reduce), and its loss-parallel cross-entropy all-reduces three
+    FP32 values per token (the maximum, the sum of exponentials, the target's logit); without
+    loss parallelism it all-gathers the logits instead. Each parameter of a sequence-parallel norm
+    all-reduces its gradient (summed over the sequence shards) where FSDP reduces gradients:
+    ``grad_reductions`` times a step (once under accum_sync=last, each micro-batch under every).
+    """
+    plan = checked_plan(model, cfg)
+    head = head_of(model, plan)
+    sp = cfg.sequence_parallel
+    counts = dict.fromkeys(TP_COMM_KEYS, 0)
+
+    def add(kind: str, elements: int, element_bytes: int, times: int = 1) -> None:
+        counts[f"tp_{kind}s"] += times
+        counts[f"tp_{kind}_bytes"] += times * elements * element_bytes
+
+    def block_of(name: str) -> Optional[str]:
+        return next((b for b in checkpointed if name == b or name.startswith(b + ".")), None)
+
+    # A checkpointed block's forward runs again in backward, up to the last activation backward
+    # needs (torch stops recomputing there): its last row-wise layer's output feeds the residual
+    # sum only, so that layer's reduction is not repeated.
+    last_rowwise = {block_of(name): name for name, style in plan.items() if style == "rowwise" and block_of(name)}
+
+    def forward_times(name: str) -> int:
+        block = block_of(name)
+        return 2 * accum if block is not None and last_rowwise.get(block) != name else accum
+
+    parents = {}
+    for name, style in plan.items():
+        module = model.get_submodule(name)
+        if style == "colwise" and name != head and isinstance(module, nn.Linear):
+            parents.setdefault(name.rpartition(".")[0], module.in_features)
+    gather, reduce = ("all_gather", "reduce_scatter") if sp else (None, "allreduce")
+    for name, style in plan.items():
+        module = model.get_submodule(name)
+        if style == "rowwise":
+            width, nbytes = ((module.embedding_dim, param_bytes) if isinstance(module, nn.Embedding)
+                             else (module.out_features, linear_bytes))
+            add(reduce, tokens * width, nbytes, forward_times(name))
+            if sp:
+                add("all_gather", tokens * width, nbytes, accum)
+        elif style == "sequence_parallel" and sp:
+            if isinstance(module, nn.Embedding):
+                add("all_gather", seq_len * module.embedding_dim, param_bytes, accum)
+            else:
+                for p in module.parameters():
+                    add("allreduce", p.numel(), 4, grad_reductions)
+        elif style == "colwise" and name == head:
+            if sp:
+                add("all_gather", tokens * module.in_features, param_bytes, forward_times(name))
+            add(reduce, tokens * module.in_features, param_bytes, accum)
+            if cfg.loss_parallel:
+                add("allreduce", tokens, 4, 3 * forward_times(name))
+            else:
+                add("all_gather", tokens * module.out_features, linear_bytes, forward_times(name))
+    for parent, width in parents.items():
+        if sp:
+            add("all_gather", tokens * width, param_bytes, forward_times(parent))
+        add(reduce, tokens * width, param_bytes, accum)
+    return counts

@@ -1,0 +1,247 @@
+"""Tensor parallelism (dist.tp.*) on real gloo ranks, against one process on one big batch.
+
+One launch of 2 ranks (tp 2) and one of 4 (tp 2 x ddp 2, tp 2 x fsdp 2) run every job;
+the references run in this process. fp32 and SGD with momentum, so any wrong factor moves
+the weights; the data's micro-batches hold very different numbers of tokens
+(test_accumulation's unbalanced text), so the update is token-weighted or it fails.
+
+* split invariance within SCALE_TOL of the scale, every step, gradients and weights:
+  tp 2 with accumulation of 4 and 1, sequence parallelism on and off, clipping active
+  (the norm of gradients cut over the tp ranks, norms' counted once), the end of the
+  data (a short step with placeholders); tp 2 x ddp 2 and tp 2 x fsdp 2 with K = 4 and 1;
+* sequence parallelism on and off give the same update (SAME_OPS_TOL);
+* fp16 loss scaling: an inf in one tp rank's shard skips the step on every rank;
+* the plan: every tp collective (and FSDP's) of step 1 and of a full step equals
+  plan.json's prediction exactly, under sp on and off, K = 1 and 3, loss parallelism off,
+  activation checkpointing, bf16-mixed, on 2 and 4 ranks; state_mb as predicted;
+* a Hugging Face llama (its own base_model_tp_plan) under tp 2 equals one process;
+* bad plans and sizes are ConfigErrors naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from dist_trainer.config import ConfigError, validate
+from dist_trainer.plan import plan_numbers
+from helpers import SAME_OPS_TOL, assert_all_close_scaled
+from test_accumulation import GLOBAL, in_one_process, launch_clean, mlp_config
+from test_hsdp import STEPS, _assert_same_run, _gpt, _job, _worker
+
+MLP_PLAN = {"net.0": "colwise", "net.2": "rowwise"}
+
+
+def _tp(cfg, size: int = 2, strategy: str = "ddp", sp: bool = True, loss_parallel: bool = True, plan="auto"):
+    cfg.dist = dataclasses.replace(cfg.dist, strategy=strategy)
+    cfg.dist.tp = dataclasses.replace(cfg.dist.tp, size=size, sequence_parallel=sp, loss_parallel=loss_parallel,
+                                      plan=plan)
+    return cfg
+
+
+def _clip(cfg):
+    cfg.optim.grad_clip = 0.05  # below the gradients' norm: clipping acts on every step
+    return cfg
+
+
+def _llama(micro: int, glob: int = GLOBAL):
+    from test_hf_models import LLAMA, causal_model
+
+    cfg = _gpt(micro, glob)
+    cfg.model = causal_model("llama", {**LLAMA, "vocab_size": 256})
+    return cfg
+
+
+def _end(micro: int):
+    return mlp_config(micro, n=73)  # step 3 holds 9 samples: short micro-batches and placeholders
+
+
+def _overflow():
+    from test_fsdp import InfMLP  # noqa: F401  (importable by name in the ranks)
+
+    cfg = mlp_config(4)  # 1 data rank x micro 4 x accum 8
+    cfg.model = {"_target_": "test_fsdp.InfMLP", "in_dim": 4, "hidden": 16, "inf_rank": 1, "inf_call": 9}
+    cfg.precision.name = "fp16-master"
+    cfg.precision.loss_scale.init_scale = 1024.0
+    return _tp(cfg, sp=False, plan={"first": "colwise", "second": "rowwise"})
+
+
+def _jobs2() -> list:
+    """2 ranks: one tp group of 2, one data-parallel rank."""
+    jobs = [("k4", _clip(_tp(_gpt(8))), STEPS), ("k1", _tp(_gpt(32)), STEPS),
+            ("nosp/k4", _clip(_tp(_gpt(8), sp=False)), STEPS),
+            ("end", _tp(_end(8), sp=False, plan=MLP_PLAN), STEPS), ("overflow", _overflow(), STEPS),
+            ("llama", _tp(_llama(16), sp=False), STEPS)]
+    ac = _tp(_gpt(8, 24))
+    ac.dist.activation_checkpointing = True
+    mixed = _tp(_gpt(8, 24))
+    mixed.precision.name = "bf16-mixed"
+    jobs += [("plan/ac", ac, 2), ("plan/bf16-mixed", mixed, 2), ("plan/no-loss-parallel", _tp(_gpt(8, 24), loss_parallel=False), 2),
+             ("plan/nosp/k3", _tp(_gpt(8, 24), sp=False), 2), ("plan/llama/k3", _tp(_llama(8, 24), sp=False), 2)]
+    return jobs
+
+
+def _jobs4() -> list:
+    """4 ranks: tp groups of 2 (consecutive ranks) over 2 data-parallel ranks."""
+    return [("ddp/k4", _tp(_gpt(4)), STEPS), ("ddp/k1", _clip(_tp(_gpt(16))), STEPS),
+            ("fsdp/k4", _clip(_tp(_gpt(4), strategy="fsdp")), STEPS),
+            ("fsdp/k1", _tp(_gpt(16), strategy="fsdp", sp=False), STEPS),
+            ("plan/fsdp/every/k3", _every(_tp(_gpt(4, 24), strategy="fsdp")), 2)]
+
+
+def _every(cfg):
+    cfg.dist.fsdp = dataclasses.replace(cfg.dist.fsdp, accum_sync="every")
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory):
+    return launch_clean(_worker, 2, tmp_path_factory.mktemp("tp2"), _jobs2())
+
+
+@pytest.fixture(scope="module")
+def tp4(tmp_path_factory):
+    return launch_clean(_worker, 4, tmp_path_factory.mktemp("tp4"), _jobs4())
+
+
+@pytest.fixture(scope="module")
+def refs():
+    """One process, one big batch of 32 (K = 1)."""
+    return in_one_process(_worker, [("ref", _gpt(GLOBAL), STEPS), ("clip", _clip(_gpt(GLOBAL)), STEPS),
+                                    ("end", _end(32), STEPS), ("llama", _llama(GLOBAL), STEPS)])
+
+
+def _cfg(jobs: list, name: str):
+    return next(cfg for job, cfg, _ in jobs if job == name)
+
+
+# ----------------------------------------------------------------------------- split invariance
+
+@pytest.mark.parametrize("name, ref", [("k4", "clip"), ("k1", "ref"), ("nosp/k4", "clip"), ("end", "end"),
+                                       ("llama", "llama")])
+def test_tp2_equals_one_big_batch(tp2, refs, name, ref):
+    runs = [_job(tp2, name, r) for r in range(2)]
+    want = _job([refs], ref)
+    _assert_same_run(runs[0], want, f"tp 2 {name}")
+    for step, outcome in enumerate(runs[0]["outcomes"]):
+        # the norm of gradients cut over the ranks, each part (and each whole norm weight) counted once
+        assert outcome["grad_norm"] == pytest.approx(want["outcomes"][step]["grad_norm"], rel=1e-5)
+        assert runs[1]["outcomes"][step]["grad_norm"] == outcome["grad_norm"]
+        assert outcome["items"] == want["outcomes"][step]["items"] and outcome["samples"] == want["outcomes"][step]["samples"]
+    for value, other in zip(runs[0]["params"][-1].values(), runs[1]["params"][-1].values()):
+        assert torch.equal(value, other)  # one cut tensor, gathered alike on both ranks
+    moved = max((want["params"][-1][n] - want["params"][0][n]).abs().max().item() for n in want["params"][0])
+    assert moved > 1e-3
+    if ref == "clip":
+        assert runs[0]["outcomes"][0]["grad_norm"] > 0.1  # clipping acted
+    if name == "end":
+        assert runs[0]["outcomes"][2]["samples"] == 9
+
+
+@pytest.mark.parametrize("name, ref", [("ddp/k4", "ref"), ("ddp/k1", "clip"), ("fsdp/k4", "clip"), ("fsdp/k1", "ref")])
+def test_tp2_with_2_data_parallel_ranks_equals_one_big_batch(tp4, refs, name, ref):
+    runs = [_job(tp4, name, r) for r in range(4)]
+    _assert_same_run(runs[0], _job([refs], ref), f"tp 2 x {name}")
+    for run in runs[1:]:
+        assert [o["loss"] for o in run["outcomes"]] == [o["loss"] for o in runs[0]["outcomes"]]
+        for name_, value in run["params"][-1].items():
+            assert torch.equal(value, runs[0]["params"][-1][name_]), name_
+
+
+def test_sequence_parallel_on_and_off_give_the_same_update(tp2):
+    on, off = _job(tp2, "k4"), _job(tp2, "nosp/k4")
+    for step in range(STEPS):
+        assert_all_close_scaled(on["grads"][step], off["grads"][step], f"sp on/off grads {step + 1}", SAME_OPS_TOL)
+    assert on["outcomes"][1]["comm"]["tp_all_gathers"] > 0 and off["outcomes"][1]["comm"]["tp_all_gathers"] == 0
+
+
+def test_fp16_overflow_in_one_tp_ranks_shard_skips_on_every_rank(tp2):
+    runs = [_job(tp2, "overflow", r) for r in range(2)]
+    for run in runs:
+        assert [o["skipped"] for o in run["outcomes"]] == [False, True, False]
+        assert run["outcomes"][2]["lr"] == run["outcomes"][1]["lr"]  # the schedule held
+        assert run["scale"] < run["outcomes"][0]["loss_scale"]  # backed off
+    # rank 1's inf is in its own rows of the first layer: rank 0's shard stays finite, and still skips
+    assert [run["local_finite"][1] for run in runs] == [True, False]
+    for name, value in runs[0]["params"][0].items():
+        assert torch.equal(runs[0]["params"][1][name], value), name  # nothing moved at the skipped step
+
+
+# ----------------------------------------------------------------------------- the communication plan
+
+PLAN2 = [name for name, _, _ in _jobs2() if name.startswith("plan/")] + ["k4", "nosp/k4", "k1"]
+PLAN4 = [name for name, _, _ in _jobs4()]
+
+
+def _assert_plan(runs: list, cfg, world: int, name: str) -> None:
+    numbers = plan_numbers(cfg, validate(cfg, world))
+    assert numbers["mesh"]["tp"] == 2
+    for rank, run in enumerate(runs):
+        outcomes = run["outcomes"]
+        assert outcomes[0]["comm"] == numbers["first_step"], (name, rank, outcomes[0]["comm"])
+        assert outcomes[1]["comm"] == numbers["step"], (name, rank, outcomes[1]["comm"])
+        assert run["plan_from_model"] == numbers  # a run's plan.json, from its wrapped model, is plan mode's
+    assert numbers["step"]["tp_allreduces"] + numbers["step"]["tp_all_gathers"] > 0
+    if cfg.precision.name == "fp32":
+        assert outcomes[-1]["state_mb"] == pytest.approx(numbers["state_mb"], rel=0.05)
+
+
+@pytest.mark.parametrize("name", PLAN2)
+def test_every_step_matches_the_plan_on_2_ranks(tp2, name):
+    _assert_plan([_job(tp2, name, r) for r in range(2)], _cfg(_jobs2(), name), 2, name)
+
+
+@pytest.mark.parametrize("name", PLAN4)
+def test_every_step_matches_the_plan_on_4_ranks(tp4, name):
+    _assert_plan([_job(tp4, name, r) for r in range(4)], _cfg(_jobs4(), name), 4, name)
+
+
+def test_tp_halves_the_state_of_a_rank(tp2, tp4):
+    """Each tp rank holds half of every cut matrix: state_mb of tp 2 is about half of one process's."""
+    whole = plan_numbers(_gpt(8), validate(_gpt(8), 1))["state_mb"]
+    assert _job(tp2, "k4")["outcomes"][-1]["state_mb"] < 0.6 * whole
+    assert _job(tp4, "fsdp/k4")["outcomes"][-1]["state_mb"] < 0.35 * whole
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def test_tp_sizes_and_plans_that_cannot_work_name_the_key():
+    with pytest.raises(ConfigError, match=r"dist\.tp\.size=3: must divide the world size 4"):
+        validate(_tp(_gpt(4), size=3), 4)
+    with pytest.raises(ConfigError, match=r"dist\.tp\.plan"):
+        validate(_tp(_gpt(4), plan={"blocks.*.attn.q": "diagonal"}), 4)
+    with pytest.raises(ConfigError, match=r"dist\.sync_batchnorm"):
+        cfg = _tp(_gpt(4))
+        cfg.dist.sync_batchnorm = True
+        validate(cfg, 4)
+    with pytest.raises(ConfigError, match=r"batch\.global_batch_size=32 is not batch\.micro_batch_size=32 x "
+                                          r"data-parallel ranks \(dist\.tp\.size=2\) 2"):
+        validate(_tp(_gpt(32)), 4)
+    for key, value in (("trainer", "compile"), ("model", "lora")):
+        cfg = _tp(_gpt(4))
+        if key == "trainer":
+            cfg.trainer.compile = True
+        else:
+            cfg.model = {**cfg.model, "lora": {"r": 8}}
+        with pytest.raises(ConfigError, match=r"trainer\.compile=True|model\.lora\.r=8"):
+            validate(cfg, 4)
+    plan = validate(_tp(_gpt(4)), 4)
+    assert (plan.data_ranks, plan.accum_steps, plan.mesh.describe()) == (
+        2, 4, "ddp: 2 replicas, each rank a tensor-parallel group of 2 ranks")
+
+
+def test_a_plan_that_does_not_fit_the_model_names_the_module():
+    from dist_trainer.models import GPT
+    from dist_trainer.parallel.tp import check_divisible, resolve_plan
+
+    cfg = _tp(_gpt(4)).dist.tp
+    with pytest.raises(ConfigError, match=r"dist\.tp\.plan: the pattern 'blocks\.\*\.attn\.qkv' matches no module"):
+        resolve_plan(GPT(n_embd=16, n_head=2), dataclasses.replace(cfg, plan={"blocks.*.attn.qkv": "colwise"}))
+    with pytest.raises(ConfigError, match=r"dist\.tp\.size=2: blocks\.0\.attn has n_head=3"):
+        model = GPT(n_embd=24, n_head=3, n_layer=1)
+        check_divisible(model, resolve_plan(model, cfg), 2)
+    from test_accumulation import GPT_KW  # noqa: F401
+    with pytest.raises(ConfigError, match=r"declares no tensor-parallel plan.*dist\.tp\.plan"):
+        resolve_plan(torch.nn.Linear(2, 2), cfg)
