@@ -14,7 +14,9 @@ the weights; the data's micro-batches hold very different numbers of tokens
 * the plan: every tp collective (and FSDP's) of step 1 and of a full step equals
   plan.json's prediction exactly, under sp on and off, K = 1 and 3, loss parallelism off,
   activation checkpointing, bf16-mixed, on 2 and 4 ranks; state_mb as predicted;
-* a Hugging Face llama (its own base_model_tp_plan) under tp 2 equals one process;
+* a Hugging Face llama and a qwen2 with its head tied to the embedding (their own
+  base_model_tp_plan) under tp 2 equal one process;
+* activation checkpointing gives the same gradients; bf16-master within fsdp's bound;
 * bad plans and sizes are ConfigErrors naming the key.
 """
 
@@ -54,6 +56,15 @@ def _llama(micro: int, glob: int = GLOBAL):
     return cfg
 
 
+def _qwen2(micro: int, glob: int = GLOBAL):
+    """Qwen2 with its head tied to the input embedding: the plan cuts both by vocabulary rows."""
+    from test_hf_models import LLAMA, causal_model
+
+    cfg = _gpt(micro, glob)
+    cfg.model = causal_model("qwen2", {**LLAMA, "vocab_size": 256, "tie_word_embeddings": True})
+    return cfg
+
+
 def _end(micro: int):
     return mlp_config(micro, n=73)  # step 3 holds 9 samples: short micro-batches and placeholders
 
@@ -73,12 +84,14 @@ def _jobs2() -> list:
     jobs = [("k4", _clip(_tp(_gpt(8))), STEPS), ("k1", _tp(_gpt(32)), STEPS),
             ("nosp/k4", _clip(_tp(_gpt(8), sp=False)), STEPS),
             ("end", _tp(_end(8), sp=False, plan=MLP_PLAN), STEPS), ("overflow", _overflow(), STEPS),
-            ("llama", _tp(_llama(16), sp=False), STEPS)]
+            ("llama", _tp(_llama(16), sp=False), STEPS), ("qwen2", _tp(_qwen2(8), sp=False), STEPS)]
     ac = _tp(_gpt(8, 24))
     ac.dist.activation_checkpointing = True
     mixed = _tp(_gpt(8, 24))
     mixed.precision.name = "bf16-mixed"
-    jobs += [("plan/ac", ac, 2), ("plan/bf16-mixed", mixed, 2), ("plan/no-loss-parallel", _tp(_gpt(8, 24), loss_parallel=False), 2),
+    master = _tp(_gpt(8))
+    master.precision.name = "bf16-master"
+    jobs += [("master", master, 1), ("plan/k3", _tp(_gpt(8, 24)), 2), ("plan/ac", ac, 2), ("plan/bf16-mixed", mixed, 2), ("plan/no-loss-parallel", _tp(_gpt(8, 24), loss_parallel=False), 2),
              ("plan/nosp/k3", _tp(_gpt(8, 24), sp=False), 2), ("plan/llama/k3", _tp(_llama(8, 24), sp=False), 2)]
     return jobs
 
@@ -110,7 +123,8 @@ def tp4(tmp_path_factory):
 def refs():
     """One process, one big batch of 32 (K = 1)."""
     return in_one_process(_worker, [("ref", _gpt(GLOBAL), STEPS), ("clip", _clip(_gpt(GLOBAL)), STEPS),
-                                    ("end", _end(32), STEPS), ("llama", _llama(GLOBAL), STEPS)])
+                                    ("end", _end(32), STEPS), ("llama", _llama(GLOBAL), STEPS),
+                                    ("qwen2", _qwen2(GLOBAL), STEPS)])
 
 
 def _cfg(jobs: list, name: str):
@@ -120,7 +134,7 @@ def _cfg(jobs: list, name: str):
 # ----------------------------------------------------------------------------- split invariance
 
 @pytest.mark.parametrize("name, ref", [("k4", "clip"), ("k1", "ref"), ("nosp/k4", "clip"), ("end", "end"),
-                                       ("llama", "llama")])
+                                       ("llama", "llama"), ("qwen2", "qwen2")])
 def test_tp2_equals_one_big_batch(tp2, refs, name, ref):
     runs = [_job(tp2, name, r) for r in range(2)]
     want = _job([refs], ref)
@@ -155,6 +169,25 @@ def test_sequence_parallel_on_and_off_give_the_same_update(tp2):
     for step in range(STEPS):
         assert_all_close_scaled(on["grads"][step], off["grads"][step], f"sp on/off grads {step + 1}", SAME_OPS_TOL)
     assert on["outcomes"][1]["comm"]["tp_all_gathers"] > 0 and off["outcomes"][1]["comm"]["tp_all_gathers"] == 0
+    # the norms' saved activations, cut by the tp size (bench/tp.py measures them)
+    norms = [plan_numbers(cfg, validate(cfg, 2))["norm_activation_mb"] for cfg in (_tp(_gpt(8)), _tp(_gpt(8), sp=False))]
+    assert norms[0] > 0 and norms[1] == 2 * norms[0]
+
+
+def test_activation_checkpointing_under_tp_gives_the_same_gradients(tp2):
+    on, off = _job(tp2, "plan/ac"), _job(tp2, "plan/k3")
+    for step in range(2):
+        assert_all_close_scaled(on["grads"][step], off["grads"][step], f"tp checkpointed step {step + 1}",
+                                SAME_OPS_TOL)
+
+
+def test_bf16_master_under_tp_within_the_tolerance_of_ddp(tp2, refs):
+    """bf16 parameters gathered from FP32 shards, activations' collectives in bf16: test_fsdp's bound."""
+    run, want = _job(tp2, "master"), _job([refs], "ref")
+    assert not run["outcomes"][0]["skipped"]
+    flat = lambda g: torch.cat([t.flatten() for t in g.values()])  # noqa: E731
+    got, ref = flat(run["grads"][0]), flat(want["grads"][0])
+    assert ((got - ref).norm() / ref.norm()).item() < 3e-2
 
 
 def test_fp16_overflow_in_one_tp_ranks_shard_skips_on_every_rank(tp2):

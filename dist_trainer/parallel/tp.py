@@ -290,6 +290,19 @@ class TensorParallel:
         return stack
 
 
+def norm_activation_bytes(model: nn.Module, cfg: TPConfig, tokens: int, param_bytes: int) -> int:
+    """Bytes the plan's sequence-parallel LayerNorms save for backward in one micro-batch, on one rank.
+
+    Each saves its input (tokens x width, in the parameters' dtype) and its mean and reciprocal
+    standard deviation (one FP32 value each per token). Under sequence parallelism a rank holds
+    ``tokens / size`` of them; without, all: what sequence parallelism cuts.
+    """
+    plan = checked_plan(model, cfg)
+    held = tokens // cfg.size if cfg.sequence_parallel else tokens
+    return sum(held * (module.normalized_shape[-1] * param_bytes + 2 * 4) for name, style in plan.items()
+               if style == "sequence_parallel" and isinstance(module := model.get_submodule(name), nn.LayerNorm))
+
+
 def expected_tp_comm(model: nn.Module, cfg: TPConfig, tokens: int, seq_len: int, accum: int, param_bytes: int,
                      linear_bytes: int, checkpointed: List[str], grad_reductions: int = 1) -> Dict[str, int]:
     """Calls and bytes of the tp collectives of one optimizer step of ``accum`` micro-batches, by metrics key.
