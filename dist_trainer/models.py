@@ -113,7 +113,7 @@ class GPT(nn.Module):
     # each block's attention and MLP column-wise in, row-wise out; the embedding and the tied head
     # cut by vocabulary rows; the norms on sequence shards under dist.tp.sequence_parallel.
     tp_plan = {
-        "tok_emb": "rowwise", "pos_emb": "sequence_parallel", "head": "colwise",
+        "tok_emb": "rowwise", "head": "colwise",
         "blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise", "blocks.*.attn.v": "colwise",
         "blocks.*.attn.proj": "rowwise", "blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise",
         "blocks.*.ln_1": "sequence_parallel", "blocks.*.ln_2": "sequence_parallel", "ln_f": "sequence_parallel",
@@ -188,7 +188,7 @@ class GPT(nn.Module):
         assert T <= self.block_size, (
             f"sequence length {T} exceeds model block_size {self.block_size}"
         )
-        pos = torch.arange(T, device=input_ids.device).unsqueeze(0)  # (1, T): its embedding's dim 1 is the sequence
+        pos = torch.arange(T, device=input_ids.device)
         x = self.drop(self.tok_emb(input_ids) + self.pos_emb(pos))
         for block in self.blocks:
             x = block(x)

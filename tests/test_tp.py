@@ -14,8 +14,9 @@ the weights; the data's micro-batches hold very different numbers of tokens
 * the plan: every tp collective (and FSDP's) of step 1 and of a full step equals
   plan.json's prediction exactly, under sp on and off, K = 1 and 3, loss parallelism off,
   activation checkpointing, bf16-mixed, on 2 and 4 ranks; state_mb as predicted;
-* a Hugging Face llama and a qwen2 with its head tied to the embedding (their own
-  base_model_tp_plan) under tp 2 equal one process;
+* a Hugging Face llama (sequence parallelism on and off) and a qwen2 with its head tied
+  to the embedding (their own base_model_tp_plan, their norms on sequence shards) under
+  tp 2 equal one process;
 * activation checkpointing gives the same gradients; bf16-master within fsdp's bound;
 * bad plans and sizes are ConfigErrors naming the key.
 """
@@ -84,7 +85,8 @@ def _jobs2() -> list:
     jobs = [("k4", _clip(_tp(_gpt(8))), STEPS), ("k1", _tp(_gpt(32)), STEPS),
             ("nosp/k4", _clip(_tp(_gpt(8), sp=False)), STEPS),
             ("end", _tp(_end(8), sp=False, plan=MLP_PLAN), STEPS), ("overflow", _overflow(), STEPS),
-            ("llama", _tp(_llama(16), sp=False), STEPS), ("qwen2", _tp(_qwen2(8), sp=False), STEPS)]
+            ("llama", _tp(_llama(16), sp=False), STEPS), ("llama/sp", _tp(_llama(8)), STEPS),
+            ("qwen2", _tp(_qwen2(8)), STEPS)]
     ac = _tp(_gpt(8, 24))
     ac.dist.activation_checkpointing = True
     mixed = _tp(_gpt(8, 24))
@@ -134,7 +136,7 @@ def _cfg(jobs: list, name: str):
 # ----------------------------------------------------------------------------- split invariance
 
 @pytest.mark.parametrize("name, ref", [("k4", "clip"), ("k1", "ref"), ("nosp/k4", "clip"), ("end", "end"),
-                                       ("llama", "llama"), ("qwen2", "qwen2")])
+                                       ("llama", "llama"), ("llama/sp", "llama"), ("qwen2", "qwen2")])
 def test_tp2_equals_one_big_batch(tp2, refs, name, ref):
     runs = [_job(tp2, name, r) for r in range(2)]
     want = _job([refs], ref)
@@ -204,7 +206,7 @@ def test_fp16_overflow_in_one_tp_ranks_shard_skips_on_every_rank(tp2):
 
 # ----------------------------------------------------------------------------- the communication plan
 
-PLAN2 = [name for name, _, _ in _jobs2() if name.startswith("plan/")] + ["k4", "nosp/k4", "k1"]
+PLAN2 = [name for name, _, _ in _jobs2() if name.startswith("plan/")] + ["k4", "nosp/k4", "k1", "llama/sp", "qwen2"]
 PLAN4 = [name for name, _, _ in _jobs4()]
 
 

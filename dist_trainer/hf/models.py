@@ -79,7 +79,8 @@ class HFModel(nn.Module):
 
     @property
     def tp_plan(self) -> Optional[Dict[str, str]]:
-        """The configuration's ``base_model_tp_plan`` (under this wrapper's names), the head column-wise.
+        """The configuration's ``base_model_tp_plan`` (under this wrapper's names), the head column-wise,
+        the norms (classes named ``*Norm``) ``sequence_parallel``.
 
         A head tied to the input embedding (one weight) cuts the embedding by vocabulary rows
         too. Styles Hugging Face spells out further (``colwise_rep``, ``rowwise_rep``) are the two
@@ -91,6 +92,11 @@ class HFModel(nn.Module):
         names = {id(m): name for name, m in self.model.named_modules()}
         plan = {f"model.{self.model.base_model_prefix}.{pattern}": style.split("_")[0]
                 for pattern, style in base.items()}
+        base_model = getattr(self.model, self.model.base_model_prefix)
+        for name, module in base_model.named_modules():  # the norms: on sequence shards under sequence parallelism
+            if name and type(module).__name__.endswith("Norm"):
+                pattern = ".".join("*" if part.isdigit() else part for part in name.split("."))
+                plan[f"model.{self.model.base_model_prefix}.{pattern}"] = "sequence_parallel"
         head, embedding = self.model.get_output_embeddings(), self.model.get_input_embeddings()
         if head is not None and id(head) in names:
             plan[f"model.{names[id(head)]}"] = "colwise"

@@ -57,7 +57,7 @@ from ..checkpoint import load_shards
 from ..config import DistConfig, MeshShape
 from ..distributed import DistEnv
 from ..precision import Precision, frozen_names
-from .blocks import prepare_blocks
+from .blocks import find_blocks, prepare_blocks
 from .comm import COMM_KEYS
 from .state import local_tensor, named_optimizer_state, optimizer_param_names
 from .tp import apply_tp, tp_sharded
@@ -228,7 +228,7 @@ class FSDPStrategy:
         model = model.to(env.device)
         dmesh, tp_mesh = device_mesh(mesh, env.device.type)
         # torchtitan's order: tensor parallelism, then checkpointing and compile per block, then fully_shard.
-        self.tp = apply_tp(model, tp_mesh, cfg.tp) if tp_mesh is not None else None
+        self.tp = apply_tp(model, tp_mesh, cfg.tp, find_blocks(model, cfg.blocks)) if tp_mesh is not None else None
         blocks = prepare_blocks(model, cfg.blocks, cfg.activation_checkpointing, compile)  # before fully_shard
         self.mesh = mesh
         policy = (MixedPrecisionPolicy(param_dtype=precision.param_dtype, reduce_dtype=torch.float32)

@@ -12,14 +12,16 @@ name) to a style:
   the partial outputs are summed: an all-reduce, or under sequence parallelism
   a reduce-scatter onto sequence shards.
 * ``sequence_parallel``: a norm (or dropout) that runs on this rank's shard of
-  the sequence between the parallel regions; on an Embedding of positions, its
-  output is cut to the rank's shard. Nothing under ``sequence_parallel=false``.
+  the sequence between the parallel regions. Nothing under ``sequence_parallel=false``.
 * ``replicate``: left whole on every rank.
 
 Where several column-wise layers read the same input (queries, keys, values),
 their parent gathers it once (under sequence parallelism) and hands them one
 replicated input, so backward sums their input gradients before one reduction.
-The head (the last column-wise layer, after every row-wise one) keeps its logits
+Under sequence parallelism the residual stream is cut at the first block's input
+(the embeddings, the positions and anything the model derives from the whole
+sequence, such as attention masks, are computed whole before it) and gathered again
+by the head. The head (the last column-wise layer, after every row-wise one) keeps its logits
 cut over the vocabulary under ``loss_parallel``: the cross-entropy is computed on
 the shards, in forward and backward, inside ``TensorParallel.context()``.
 
@@ -37,8 +39,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleOutput, RowwiseParallel,
-                                               SequenceParallel, loss_parallel, parallelize_module)
+from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel, loss_parallel,
+                                               parallelize_module)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..config import ConfigError, TPConfig
@@ -100,10 +102,15 @@ def checked_plan(model: nn.Module, cfg: TPConfig) -> Dict[str, str]:
     """The resolved plan, checked as training checks it (plan mode too): ConfigError naming the key."""
     plan = resolve_plan(model, cfg)
     check_divisible(model, plan, cfg.size)
+    modules = dict(model.named_modules())
+    for name, style in plan.items():
+        if style == "sequence_parallel" and isinstance(modules[name], (nn.Linear, nn.Embedding)):
+            raise ConfigError(f"dist.tp.plan: {name} is a {type(modules[name]).__name__}; sequence_parallel is for "
+                              "norms and dropout (cut a Linear or an Embedding colwise or rowwise, or replicate it)")
     if cfg.sequence_parallel and "sequence_parallel" not in plan.values():
         raise ConfigError(f"dist.tp.sequence_parallel=true: the plan of {type(model).__name__} places no norm on "
                           "sequence shards (no module is sequence_parallel); set dist.tp.sequence_parallel=false, "
-                          "or give dist.tp.plan the norms and position embeddings as sequence_parallel")
+                          "or give dist.tp.plan the norms as sequence_parallel")
     return plan
 
 
@@ -154,31 +161,50 @@ def _gather_input(mesh: DeviceMesh, sequence_parallel: bool):
     return hook
 
 
+def _cut_sequence(mesh: DeviceMesh):
+    """The first block's pre-hook under sequence parallelism: its (whole) input cut to this rank's
+    sequence shard. Forward keeps a slice (no communication); backward all-gathers the gradient."""
+
+    def to_shard(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
+            return x
+        return DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [SEQUENCE]).to_local()
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
+        if args:
+            return (to_shard(args[0]), *args[1:]), kwargs
+        key = next(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
+        return args, {**kwargs, key: to_shard(kwargs[key])}
+
+    return hook
+
+
 def _style(module: nn.Module, style: str, is_head: bool, cfg: TPConfig, parent_gathers: bool) -> Optional[Any]:
     """The torch ParallelStyle of ``style`` for ``module`` (None: nothing to do)."""
     sp = cfg.sequence_parallel
-    stream = SEQUENCE if sp else Replicate()  # how activations between the parallel regions are laid out
+    stream = SEQUENCE if sp else Replicate()  # how the blocks' activations between the parallel regions are laid out
     if style == "colwise":
         if is_head:
             out = Shard(-1) if cfg.loss_parallel else Replicate()
             return ColwiseParallel(input_layouts=stream, output_layouts=out, use_local_output=not cfg.loss_parallel)
-        if isinstance(module, nn.Embedding):
-            return ColwiseParallel(input_layouts=Replicate(), output_layouts=stream)
+        if isinstance(module, nn.Embedding):  # before the first block: whole
+            return ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
         return ColwiseParallel(input_layouts=Replicate() if parent_gathers else stream)
     if style == "rowwise":
-        if isinstance(module, nn.Embedding):
-            return RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
+        if isinstance(module, nn.Embedding):  # before the first block: whole
+            return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
         return RowwiseParallel(output_layouts=stream)
     if style == "sequence_parallel" and sp:
-        if isinstance(module, nn.Embedding):  # positions: whole on every rank, each rank keeps its shard
-            return PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=SEQUENCE)
         return SequenceParallel()
     return None
 
 
-def apply_tp(model: nn.Module, mesh: DeviceMesh, cfg: TPConfig) -> "TensorParallel":
-    """Cut ``model`` in place over ``mesh`` (the tp sub-mesh) as its plan says."""
+def apply_tp(model: nn.Module, mesh: DeviceMesh, cfg: TPConfig, blocks: List[nn.Module]) -> "TensorParallel":
+    """Cut ``model`` in place over ``mesh`` (the tp sub-mesh) as its plan says; ``blocks``: its repeated blocks."""
     plan = checked_plan(model, cfg)
+    if cfg.sequence_parallel and not blocks:
+        raise ConfigError("dist.tp.sequence_parallel=true cuts the sequence at the first block's input, and the model "
+                          "declares no blocks: set dist.blocks, or dist.tp.sequence_parallel=false")
     head = head_of(model, plan)
     tied = _tied_groups(model)
     parents = {name.rpartition(".")[0] for name, style in plan.items()
@@ -193,6 +219,8 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, cfg: TPConfig) -> "TensorParall
     for parent in parents:
         model.get_submodule(parent).register_forward_pre_hook(_gather_input(mesh, cfg.sequence_parallel),
                                                               with_kwargs=True)
+    if cfg.sequence_parallel:
+        blocks[0].register_forward_pre_hook(_cut_sequence(mesh), with_kwargs=True)
     _tie_again(model, tied)
     return TensorParallel(mesh, cfg.loss_parallel and head is not None, plan, head)
 
@@ -317,8 +345,8 @@ def expected_tp_comm(model: nn.Module, cfg: TPConfig, tokens: int, seq_len: int,
     a row-wise Linear reduce-scatters its output in forward (all-reduce) and all-gathers its
     gradient in backward (nothing); a parent of column-wise layers all-gathers their input once in
     forward (nothing) and reduce-scatters its summed gradient in backward (all-reduce); a row-wise
-    Embedding as a row-wise Linear; an Embedding of positions all-gathers its output's gradient in
-    backward (nothing); the head all-gathers its input in forward (nothing) and reduce-scatters its
+    Embedding all-reduces its output (it is whole before the first block); the first block's input
+    cut all-gathers its gradient in backward (nothing); the head all-gathers its input in forward (nothing) and reduce-scatters its
     gradient in backward (all-reduce), and its loss-parallel cross-entropy all-reduces three
     FP32 values per token (the maximum, the sum of exponentials, the target's logit); without
     loss parallelism it all-gathers the logits instead. Each parameter of a sequence-parallel norm
@@ -351,21 +379,22 @@ def expected_tp_comm(model: nn.Module, cfg: TPConfig, tokens: int, seq_len: int,
         module = model.get_submodule(name)
         if style == "colwise" and name != head and isinstance(module, nn.Linear):
             parents.setdefault(name.rpartition(".")[0], module.in_features)
-    gather, reduce = ("all_gather", "reduce_scatter") if sp else (None, "allreduce")
+    reduce = "reduce_scatter" if sp else "allreduce"
+    if sp and parents:  # the first block's input cut: its gradient all-gathered in backward
+        add("all_gather", tokens * next(iter(parents.values())), param_bytes, accum)
     for name, style in plan.items():
         module = model.get_submodule(name)
-        if style == "rowwise":
-            width, nbytes = ((module.embedding_dim, param_bytes) if isinstance(module, nn.Embedding)
-                             else (module.out_features, linear_bytes))
-            add(reduce, tokens * width, nbytes, forward_times(name))
+        if style == "rowwise" and isinstance(module, nn.Embedding):  # before the blocks: whole
+            add("allreduce", tokens * module.embedding_dim, param_bytes, accum)
+        elif style == "colwise" and isinstance(module, nn.Embedding):
+            add("all_gather", tokens * module.embedding_dim, param_bytes, accum)
+        elif style == "rowwise":
+            add(reduce, tokens * module.out_features, linear_bytes, forward_times(name))
             if sp:
-                add("all_gather", tokens * width, nbytes, accum)
+                add("all_gather", tokens * module.out_features, linear_bytes, accum)
         elif style == "sequence_parallel" and sp:
-            if isinstance(module, nn.Embedding):
-                add("all_gather", seq_len * module.embedding_dim, param_bytes, accum)
-            else:
-                for p in module.parameters():
-                    add("allreduce", p.numel(), 4, grad_reductions)
+            for p in module.parameters():
+                add("allreduce", p.numel(), 4, grad_reductions)
         elif style == "colwise" and name == head:
             if sp:
                 add("all_gather", tokens * module.in_features, param_bytes, forward_times(name))
