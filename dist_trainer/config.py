@@ -518,8 +518,6 @@ def _validate_tp(cfg: Config) -> None:
     _check(cfg.batch.micro_batch_size != "auto", "batch.micro_batch_size", "auto",
            f"is not supported with dist.tp.size={tp.size} (its trials run the whole model on each rank): "
            "set an integer batch.micro_batch_size")
-    _check(not cfg.trainer.compile, "trainer.compile", cfg.trainer.compile,
-           f"is not supported with dist.tp.size={tp.size} yet: set trainer.compile=false or dist.tp.size=1")
     lora = cfg.model.get("lora") or {}
     _check(not (isinstance(lora, dict) and lora.get("r")), "model.lora.r", lora.get("r") if isinstance(lora, dict)
            else lora, f"LoRA adapters on a tensor-parallel base are not supported yet (dist.tp.size={tp.size}): "

@@ -317,8 +317,9 @@ def comm_lines(numbers: Dict[str, Any], accum_steps: Optional[int]) -> List[str]
 def _tp_comm_lines(step: Dict[str, int], tp: int) -> List[str]:
     return [f"  tensor-parallel collectives per optimizer step (activations, over each tp group of {tp}): "
             f"all-reduces {step['tp_allreduces']}, {_mib(step['tp_allreduce_bytes'])}; all-gathers "
-            f"{step['tp_all_gathers']}, {_mib(step['tp_all_gather_bytes'])}; reduce-scatters {step['tp_reduce_scatters']}, "
-            f"{_mib(step['tp_reduce_scatter_bytes'])} (also in the totals: all_gathers, reduce_scatters, allreduces)"]
+            f"{step['tp_all_gathers']}, {_mib(step['tp_all_gather_bytes'])}; reduce-scatters "
+            f"{step['tp_reduce_scatters']}, {_mib(step['tp_reduce_scatter_bytes'])} (also in the totals: all_gathers, "
+            "reduce_scatters, allreduces)"]
 
 
 def _dp_comm_lines(numbers: Dict[str, Any], step: Dict[str, int], kind: str, accum_steps: Optional[int]) -> List[str]:

@@ -201,7 +201,8 @@ class Trainer:
         # this step stops the run after it, not after the next one.
         # The ranks of one tensor-parallel group ran the same micro-batches: the first speaks for them.
         share = self.batch_share
-        stats[0], stats[1], stats[2], stats[3] = loss_sum * share, items * share, samples * share, float(stop_requested())
+        stats[0], stats[1], stats[2] = loss_sum * share, items * share, samples * share
+        stats[3] = float(stop_requested())
         # The strategy knows what this rank holds (the whole gradient, or a shard, maybe
         # replicated): its shares add up over ranks to the squared norm of the whole gradient.
         stats[4] = self.strategy.grad_norm_sq(self.weights.grads())

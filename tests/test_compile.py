@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.utils.data import Subset
 
 from dist_trainer import distributed
+from dist_trainer.compiling import compiled_frames
 from dist_trainer.config import (BatchConfig, Config, DistConfig, OptimConfig, PrecisionConfig, TrainerConfig,
                                  validate)
 from dist_trainer.data import epoch_batches
@@ -50,7 +51,7 @@ def tiny_text(n: int = 256, split: str = "train") -> Subset:
 
 
 def config(micro: int, compile: bool, strategy: str = "ddp", precision: str = "fp32", ac: bool = False,
-           n: int = 256, steps: int = STEPS, shard_size=None, reshard: str = "micro_batch") -> Config:
+           n: int = 256, steps: int = STEPS, shard_size=None, reshard: str = "micro_batch", tp: int = 1) -> Config:
     cfg = Config(
         model=dict(GPT), data={"_target_": f"{__name__}.tiny_text", "n": n, "split": "train", "shuffle": True},
         batch=BatchConfig(micro_batch_size=micro, global_batch_size=GLOBAL),
@@ -63,6 +64,7 @@ def config(micro: int, compile: bool, strategy: str = "ddp", precision: str = "f
         dist=DistConfig(strategy=strategy, activation_checkpointing=ac),
     )
     cfg.dist.fsdp.shard_size, cfg.dist.fsdp.reshard = shard_size, reshard
+    cfg.dist.tp.size = tp
     return cfg
 
 
@@ -71,6 +73,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _steps(cfg: Config, world: int) -> dict:
+    frames = compiled_frames()
     parts = build(cfg, validate(cfg, world), distributed.init("cpu"))
     module, rec = parts.trainer.module, {"loss": [], "grads": []}
     for step, (window, batches) in zip(range(1, STEPS + 1),
@@ -79,6 +82,7 @@ def _steps(cfg: Config, world: int) -> dict:
         rec["loss"].append(outcome.loss)
         rec["grads"].append({name: _full(p.grad) for name, p in module.named_parameters() if p.grad is not None})
     rec["params"] = {name: _full(p) for name, p in module.named_parameters()}
+    rec["graphs"] = compiled_frames() - frames  # what this job compiled (the count is the process's)
     del parts
     gc.collect()
     return rec
@@ -94,6 +98,9 @@ JOBS = {
     # hsdp on 2 ranks: 2 replicas of shard groups of one, kept gathered through the step
     "eager-hsdp-step": dict(compile=False, strategy="fsdp", shard_size=1, reshard="step"),
     "compiled-hsdp-step": dict(compile=True, strategy="fsdp", shard_size=1, reshard="step"),
+    # tp 2 on 2 ranks (one data-parallel rank, accum 8), sequence parallelism and the sharded loss
+    "eager-tp": dict(compile=False, tp=2),
+    "compiled-tp": dict(compile=True, tp=2),
 }
 
 
@@ -132,7 +139,7 @@ def _close(got: dict, ref: dict, what: str) -> None:
 
 def test_compiled_steps_equal_eager_steps(ranks):
     results = ranks[0][0]
-    for name in ("compiled", "compiled-fsdp-ac", "compiled-bf16-master", "compiled-hsdp-step"):
+    for name in ("compiled", "compiled-fsdp-ac", "compiled-bf16-master", "compiled-hsdp-step", "compiled-tp"):
         eager, compiled = results[name.replace("compiled", "eager")], results[name]
         for a, b in zip(compiled["loss"], eager["loss"]):
             assert abs(a - b) <= 1e-4 * abs(b), (name, compiled["loss"], eager["loss"])
@@ -143,6 +150,9 @@ def test_compiled_steps_equal_eager_steps(ranks):
     _close(results["compiled-fsdp-ac"]["params"], results["eager-fsdp-ac"]["params"], "fsdp params")
     _close(results["compiled-hsdp-step"]["params"], results["eager-hsdp-step"]["params"], "hsdp params")
     _close(results["eager-hsdp-step"]["params"], results["eager"]["params"], "hsdp vs ddp params")
+    _close(results["compiled-tp"]["params"], results["eager-tp"]["params"], "tp params")
+    _close(results["eager-tp"]["params"], results["eager"]["params"], "tp vs ddp params")
+    assert results["compiled-tp"]["graphs"] > 0  # the blocks compiled, DTensor and all
 
 
 def test_split_invariance_holds_compiled(ranks):

@@ -228,7 +228,8 @@ class FSDPStrategy:
         model = model.to(env.device)
         dmesh, tp_mesh = device_mesh(mesh, env.device.type)
         # torchtitan's order: tensor parallelism, then checkpointing and compile per block, then fully_shard.
-        self.tp = apply_tp(model, tp_mesh, cfg.tp, find_blocks(model, cfg.blocks)) if tp_mesh is not None else None
+        self.tp = (apply_tp(model, tp_mesh, cfg.tp, find_blocks(model, cfg.blocks), count=not compile)
+                   if tp_mesh is not None else None)
         blocks = prepare_blocks(model, cfg.blocks, cfg.activation_checkpointing, compile)  # before fully_shard
         self.mesh = mesh
         policy = (MixedPrecisionPolicy(param_dtype=precision.param_dtype, reduce_dtype=torch.float32)
@@ -320,9 +321,10 @@ class FSDPStrategy:
         return self.counter.last_reduce_scatter
 
     def comm(self) -> Dict[str, int]:
-        """FSDP's collectives and, under tp, the activations' (also apart, under tp_* keys)."""
+        """FSDP's collectives and, under tp, the activations' (also apart, under tp_* keys; not counted
+        under trainer.compile, where they run inside compiled graphs: the keys are then absent)."""
         counts = dict(self.counter.counts)
-        if self.tp is not None:
+        if self.tp is not None and self.tp.counting:
             for key, value in self.tp.counts.items():
                 counts[key] = value
                 counts[key[len("tp_"):]] += value

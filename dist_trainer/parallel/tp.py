@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import re
 from contextlib import ExitStack
-from typing import Any, ContextManager, Dict, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -152,11 +152,18 @@ def _gather_input(mesh: DeviceMesh, sequence_parallel: bool):
             x = DTensor.from_local(x, mesh, [placement], run_check=False)
         return x.redistribute(mesh, [Replicate()])
 
+    return _on_first_input(to_replicated)
+
+
+def _on_first_input(convert: Callable[[Any], Any]) -> Callable:
+    """A forward pre-hook that applies ``convert`` to the module's first input: the first positional
+    argument, or the first tensor keyword (a Hugging Face layer is called with hidden_states=...)."""
+
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
         if args:
-            return (to_replicated(args[0]), *args[1:]), kwargs
+            return (convert(args[0]), *args[1:]), kwargs
         key = next(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
-        return args, {**kwargs, key: to_replicated(kwargs[key])}
+        return args, {**kwargs, key: convert(kwargs[key])}
 
     return hook
 
@@ -170,13 +177,7 @@ def _cut_sequence(mesh: DeviceMesh):
             return x
         return DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [SEQUENCE]).to_local()
 
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
-        if args:
-            return (to_shard(args[0]), *args[1:]), kwargs
-        key = next(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
-        return args, {**kwargs, key: to_shard(kwargs[key])}
-
-    return hook
+    return _on_first_input(to_shard)
 
 
 def _style(module: nn.Module, style: str, is_head: bool, cfg: TPConfig, parent_gathers: bool) -> Optional[Any]:
@@ -199,8 +200,13 @@ def _style(module: nn.Module, style: str, is_head: bool, cfg: TPConfig, parent_g
     return None
 
 
-def apply_tp(model: nn.Module, mesh: DeviceMesh, cfg: TPConfig, blocks: List[nn.Module]) -> "TensorParallel":
-    """Cut ``model`` in place over ``mesh`` (the tp sub-mesh) as its plan says; ``blocks``: its repeated blocks."""
+def apply_tp(model: nn.Module, mesh: DeviceMesh, cfg: TPConfig, blocks: List[nn.Module],
+             count: bool = True) -> "TensorParallel":
+    """Cut ``model`` in place over ``mesh`` (the tp sub-mesh) as its plan says; ``blocks``: its repeated blocks.
+
+    ``count``: count the tp collectives (a dispatch mode over each micro-batch). Not under
+    trainer.compile: torch.compile does not trace through a dispatch mode (nothing would compile),
+    and what it compiles issues its collectives from inside the graph."""
     plan = checked_plan(model, cfg)
     if cfg.sequence_parallel and not blocks:
         raise ConfigError("dist.tp.sequence_parallel=true cuts the sequence at the first block's input, and the model "
@@ -222,7 +228,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, cfg: TPConfig, blocks: List[nn.
     if cfg.sequence_parallel:
         blocks[0].register_forward_pre_hook(_cut_sequence(mesh), with_kwargs=True)
     _tie_again(model, tied)
-    return TensorParallel(mesh, cfg.loss_parallel and head is not None, plan, head)
+    return TensorParallel(mesh, cfg.loss_parallel and head is not None, plan, head, count)
 
 
 def _tie_again(model: nn.Module, groups: List[List[Tuple[str, str]]]) -> None:
@@ -304,8 +310,10 @@ TP_COMM_KEYS = ("tp_all_gathers", "tp_all_gather_bytes", "tp_reduce_scatters", "
 class TensorParallel:
     """What the strategy keeps of the cut: the loss-parallel context and the tp collectives' counters."""
 
-    def __init__(self, mesh: DeviceMesh, loss_parallel: bool, plan: Dict[str, str], head: Optional[str]):
+    def __init__(self, mesh: DeviceMesh, loss_parallel: bool, plan: Dict[str, str], head: Optional[str],
+                 counting: bool = True):
         self.mesh, self.loss_parallel, self.plan, self.head = mesh, loss_parallel, plan, head
+        self.counting = counting
         self.counts = dict.fromkeys(TP_COMM_KEYS, 0)
 
     def context(self, count: bool = True) -> ContextManager:
@@ -313,7 +321,7 @@ class TensorParallel:
         stack = ExitStack()
         if self.loss_parallel:
             stack.enter_context(loss_parallel())
-        if count:
+        if count and self.counting:
             stack.enter_context(_CountCollectives(self.counts))
         return stack
 
@@ -346,8 +354,9 @@ def expected_tp_comm(model: nn.Module, cfg: TPConfig, tokens: int, seq_len: int,
     gradient in backward (nothing); a parent of column-wise layers all-gathers their input once in
     forward (nothing) and reduce-scatters its summed gradient in backward (all-reduce); a row-wise
     Embedding all-reduces its output (it is whole before the first block); the first block's input
-    cut all-gathers its gradient in backward (nothing); the head all-gathers its input in forward (nothing) and reduce-scatters its
-    gradient in backward (all-reduce), and its loss-parallel cross-entropy all-reduces three
+    cut all-gathers its gradient in backward (nothing); the head all-gathers its input in forward
+    (nothing) and reduce-scatters its gradient in backward (all-reduce), and its loss-parallel
+    cross-entropy all-reduces three
     FP32 values per token (the maximum, the sum of exponentials, the target's logit); without
     loss parallelism it all-gathers the logits instead. Each parameter of a sequence-parallel norm
     all-reduces its gradient (summed over the sequence shards) where FSDP reduces gradients:
