@@ -83,10 +83,13 @@ def test_a_blocked_loader_ends_the_run_in_seconds_naming_the_rank_and_step(block
     assert f"dist.step_timeout_s={TIMEOUT_S}" in output
     summary = output[output.index("Root Cause"):]
     assert "HangError: the run hangs" in summary, summary
-    for rank, where in ((0, "train_step"), (1, "_next_data")):  # rank 0 in its step, rank 1 at its loader
+    # Rank 0 in its step, rank 1 at its loader. Both watchdogs fire near the same second: when rank 1's
+    # report ends its process first, rank 0's all-reduce in the step fails on the closed connection and
+    # its main thread reports from there (collective_failed), out of train_step: either order is right.
+    for rank, places in ((0, ("train_step", "collective_failed")), (1, ("_next_data",))):
         log = (run_dir / f"rank{rank}.log").read_text()
         stacks = log[log.index(f"the stacks of every thread of rank {rank} follow"):]
-        assert "most recent call first" in stacks and where in stacks, stacks[:3000]
+        assert "most recent call first" in stacks and any(where in stacks for where in places), stacks[:3000]
 
 
 def test_the_slow_rank_is_named_the_straggler_in_every_steps_figures(blocked_loader):
