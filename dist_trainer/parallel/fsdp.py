@@ -261,6 +261,7 @@ class FSDPStrategy:
         first_of_tp = env.rank % mesh.tp == 0
         self.norm_share = {p: float(first_replica and (first_of_tp or tp_sharded(p, tp_mesh)))
                            for p in self.weights.params}
+        self._shares_cache: Tuple[tuple, Optional[torch.Tensor]] = ((), None)
         self.groups = [dist.group.WORLD, *dmesh.get_all_groups(), *(tp_mesh.get_all_groups() if tp_mesh else [])]
         self._tp_context = self.tp.context if self.tp is not None else nullcontext
 
@@ -314,8 +315,16 @@ class FSDPStrategy:
         if not grads:
             return torch.zeros((), dtype=torch.float64)
         norms = torch.stack(torch._foreach_norm([g for _, g in grads])).double().square()
-        shares = torch.tensor([self.norm_share[p] for p, _ in grads], dtype=torch.float64, device=norms.device)
-        return (norms * shares).sum()
+        return (norms * self._shares([p for p, _ in grads], norms.device)).sum()
+
+    def _shares(self, params: List[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """The norm shares of ``params`` as a tensor on ``device``, made once per list of parameters (a copy from
+        the host every step would wait for the device's queue)."""
+        key = tuple(id(p) for p in params)
+        if self._shares_cache[0] != key:
+            shares = torch.tensor([self.norm_share[p] for p in params], dtype=torch.float64, device=device)
+            self._shares_cache = (key, shares)
+        return self._shares_cache[1]
 
     def grads_ready_at(self) -> float:
         return self.counter.last_reduce_scatter
