@@ -254,3 +254,18 @@ def test_branchy_mlp_unused_branch_has_no_grad() -> None:
     model.zero_grad(set_to_none=True)
     model(_batch(ds, range(0, 4))).backward()
     assert model.branch.weight.grad is not None
+
+
+def test_gpt_state_dict_of_the_fused_qkv_layout_still_loads():
+    """A state dict saved when attention had one ``qkv`` projection (queries, keys, values stacked) loads
+    into the separate q, k, v: the same function, checked by the outputs."""
+    torch.manual_seed(0)
+    saved = GPT(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16)
+    state = saved.state_dict()
+    for kind in ("weight", "bias"):
+        parts = [state.pop(f"blocks.0.attn.{name}.{kind}") for name in "qkv"]
+        state[f"blocks.0.attn.qkv.{kind}"] = torch.cat(parts)
+    loaded = GPT(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16)
+    loaded.load_state_dict(state)
+    ids = torch.randint(0, 64, (2, 8))
+    assert torch.equal(loaded.logits(ids), saved.logits(ids))
