@@ -150,21 +150,20 @@ def expected_comm(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Pre
     return counts
 
 
-def _seq_len(cfg: Config, model: nn.Module) -> int:
-    return cfg.data.get("block_size") or getattr(model, "block_size", None) or 1
+def _micro_batch_tokens(cfg: Config, plan: BatchPlan, model: nn.Module) -> int:
+    """A micro-batch's tokens: micro batch x data.block_size (the model's block_size if the data has none;
+    1 where neither has: one activation row per sample)."""
+    return plan.micro_batch_size * (cfg.data.get("block_size") or getattr(model, "block_size", None) or 1)
 
 
 def tp_comm(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision) -> Dict[str, int]:
-    """The tp collectives of one full step, for micro-batches of whole sequences of data.block_size tokens
-    (the model's block_size if the data has none; 1 where neither has: one activation row per sample).
+    """The tp collectives of one full step, for micro-batches of whole sequences (``_micro_batch_tokens``).
     Padded batches of shorter sequences send less."""
-    seq_len = _seq_len(cfg, model)
     param_bytes = (precision.param_dtype or torch.float32).itemsize
     linear_bytes = precision.autocast_dtype.itemsize if precision.autocast_dtype is not None else param_bytes
     blocks = find_blocks(model, cfg.dist.blocks) if cfg.dist.activation_checkpointing else []
-    tokens = plan.micro_batch_size * seq_len
     names = {id(m): name for name, m in model.named_modules()}
-    return expected_tp_comm(model, cfg.dist.tp, tokens, seq_len, plan.accum_steps,
+    return expected_tp_comm(model, cfg.dist.tp, _micro_batch_tokens(cfg, plan, model), plan.accum_steps,
                             param_bytes, linear_bytes, [names[id(b)] for b in blocks],
                             plan.accum_steps if cfg.dist.fsdp.accum_sync == "every" else 1)
 
@@ -284,7 +283,7 @@ def plan_numbers(cfg: Config, plan: BatchPlan, model: Optional[nn.Module] = None
         "state_mb": state / MIB,
         "step_peak_state_mb": None if auto else (state + expected_peak_extra_bytes(cfg, plan, model, precision)) / MIB,
         # What the sequence-parallel norms save for backward per micro-batch on a rank (cut by tp under sp).
-        "norm_activation_mb": (norm_activation_bytes(model, cfg.dist.tp, plan.micro_batch_size * _seq_len(cfg, model),
+        "norm_activation_mb": (norm_activation_bytes(model, cfg.dist.tp, _micro_batch_tokens(cfg, plan, model),
                                                      (precision.param_dtype or torch.float32).itemsize) / MIB
                                if mesh.tp > 1 and not auto else None),
         "step": step, "first_step": None if step is None else first_step_comm(step),

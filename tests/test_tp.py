@@ -285,6 +285,5 @@ def test_a_plan_that_does_not_fit_the_model_names_the_module():
     with pytest.raises(ConfigError, match=r"dist\.tp\.size=2: blocks\.0\.attn has n_head=3"):
         model = GPT(n_embd=24, n_head=3, n_layer=1)
         check_divisible(model, resolve_plan(model, cfg), 2)
-    from test_accumulation import GPT_KW  # noqa: F401
     with pytest.raises(ConfigError, match=r"declares no tensor-parallel plan.*dist\.tp\.plan"):
         resolve_plan(torch.nn.Linear(2, 2), cfg)

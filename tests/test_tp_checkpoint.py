@@ -15,6 +15,7 @@ global 32: tp 2 x fsdp 2 is 2 data-parallel ranks x 4 x accum 4).
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -51,26 +52,24 @@ def runs(tmp_path_factory):
     jobs = [*[(args, nproc, name) for name, args, nproc, _ in TARGETS], (TP_FSDP, 4, "back"), (TP_FSDP, 4, "tp_back")]
     results = run_all([(args + [f"trainer.max_steps={STEPS}", f"hydra.run.dir={dirs[name]}"], nproc)
                        for args, nproc, name in jobs], root, timeout=600)
-    return root, dirs, {name: result for (_, _, name), result in zip(jobs, results)}
+    return SimpleNamespace(root=root, dirs=dirs, results={name: result for (_, _, name), result in zip(jobs, results)})
 
 
 def test_tp_resume_on_the_same_mesh_is_bit_identical(runs):
-    root, dirs, results = runs
-    _assert_resumed(type("R", (), {"results": results, "dirs": dirs})(), "same", TP_MESH)
-    assert_same_metrics(dirs["same"], root / "ref", STEPS)
-    assert_bit_identical(dirs["same"], root / "ref")
+    _assert_resumed(runs, "same", TP_MESH)
+    assert_same_metrics(runs.dirs["same"], runs.root / "ref", STEPS)
+    assert_bit_identical(runs.dirs["same"], runs.root / "ref")
 
 
 @pytest.mark.parametrize("name, mesh", [(name, mesh) for name, _, _, mesh in TARGETS[1:]] +
                          [("back", TP_MESH), ("tp_back", TP_MESH)])
 def test_a_checkpoint_resumes_across_tp_degrees(runs, name, mesh):
-    root, dirs, results = runs
-    _assert_resumed(type("R", (), {"results": results, "dirs": dirs})(), name, mesh)
-    _assert_continues(dirs[name], root / "ref")
+    _assert_resumed(runs, name, mesh)
+    _assert_continues(runs.dirs[name], runs.root / "ref")
 
 
 def test_final_model_is_whole_and_every_step_matches_the_plan(runs):
-    root, _, _ = runs
+    root = runs.root
     params = final_params(root / "ref")
     assert params["tok_emb.weight"].shape == (256, 32) and params["blocks.0.attn.q.weight"].shape == (32, 32)
     plan = json.loads((root / "ref" / "plan.json").read_text())

@@ -39,7 +39,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -263,12 +263,15 @@ class FSDPStrategy:
                            for p in self.weights.params}
         self._shares_cache: Tuple[tuple, Optional[torch.Tensor]] = ((), None)
         self.groups = [dist.group.WORLD, *dmesh.get_all_groups(), *(tp_mesh.get_all_groups() if tp_mesh else [])]
-        self._tp_context = self.tp.context if self.tp is not None else nullcontext
 
     @contextmanager
     def micro_batch(self, last: bool) -> Iterator[None]:
         with self._tp_context():  # tp: the vocabulary-sharded loss in forward and backward, tp collectives counted
             yield from self._micro_batch(last)
+
+    def _tp_context(self, count: bool = True) -> ContextManager:
+        """tp's context of a forward and backward (nothing without tp)."""
+        return self.tp.context(count) if self.tp is not None else nullcontext()
 
     def _micro_batch(self, last: bool) -> Iterator[None]:
         if self.accum_sync == "last":
@@ -285,7 +288,7 @@ class FSDPStrategy:
     @contextmanager
     def evaluation(self) -> Iterator[None]:
         try:
-            with self._tp_context(count=False) if self.tp is not None else nullcontext():
+            with self._tp_context(count=False):
                 yield
         finally:  # forward without backward: reshard=forward/step would leave units gathered
             self.reshard_all()

@@ -73,20 +73,22 @@ def resolve_plan(model: nn.Module, cfg: TPConfig) -> Dict[str, str]:
     return resolved
 
 
+def cut_dim(module: nn.Module, style: str) -> int:
+    """The weight dimension a colwise/rowwise cut splits: a Linear's output features (dim 0) or input
+    features (dim 1); an Embedding's width (dim 1) or vocabulary rows (dim 0)."""
+    return 0 if (style == "colwise") == isinstance(module, nn.Linear) else 1
+
+
 def check_divisible(model: nn.Module, plan: Dict[str, str], size: int) -> None:
     """Every cut dimension divides by the tp size, and so does every head count; ConfigError naming the module."""
     modules = dict(model.named_modules())
     for name, style in plan.items():
         module = modules[name]
-        dims = {("colwise", nn.Linear): 0, ("rowwise", nn.Linear): 1, ("colwise", nn.Embedding): 1,
-                ("rowwise", nn.Embedding): 0}
-        kind = nn.Linear if isinstance(module, nn.Linear) else nn.Embedding if isinstance(module, nn.Embedding) \
-            else None
         if style in ("colwise", "rowwise"):
-            if kind is None:
+            if not isinstance(module, (nn.Linear, nn.Embedding)):
                 raise ConfigError(f"dist.tp.plan: {name} is a {type(module).__name__}; {style} cuts a Linear or "
                                   "an Embedding only")
-            rows = module.weight.shape[dims[(style, kind)]]
+            rows = module.weight.shape[cut_dim(module, style)]
             if rows % size:
                 raise ConfigError(f"dist.tp.size={size}: {name} ({style}) has {rows} features to cut, not a "
                                   f"multiple of {size}")
@@ -258,8 +260,7 @@ def local_shapes(model: nn.Module, cfg: TPConfig) -> Dict[int, torch.Size]:
         module = model.get_submodule(name)
         if style not in ("colwise", "rowwise"):
             continue
-        linear = isinstance(module, nn.Linear)
-        dim = 0 if (style == "colwise") == linear else 1  # colwise Linear / rowwise Embedding: rows
+        dim = cut_dim(module, style)
         for pname, p in module.named_parameters(recurse=False):
             if pname == "bias" and dim == 1:
                 continue  # a row-wise Linear's bias is added once, whole
@@ -339,7 +340,7 @@ def norm_activation_bytes(model: nn.Module, cfg: TPConfig, tokens: int, param_by
                if style == "sequence_parallel" and isinstance(module := model.get_submodule(name), nn.LayerNorm))
 
 
-def expected_tp_comm(model: nn.Module, cfg: TPConfig, tokens: int, seq_len: int, accum: int, param_bytes: int,
+def expected_tp_comm(model: nn.Module, cfg: TPConfig, tokens: int, accum: int, param_bytes: int,
                      linear_bytes: int, checkpointed: List[str], grad_reductions: int = 1) -> Dict[str, int]:
     """Calls and bytes of the tp collectives of one optimizer step of ``accum`` micro-batches, by metrics key.
 
