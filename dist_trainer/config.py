@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-master", "fp16-master")
@@ -136,11 +136,29 @@ class TPConfig:
     loss_parallel: bool = True
 
 
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+
+
+@dataclass
+class PPConfig:
+    # Pipeline stages (the outermost mesh dimension); 1: none. The step's micro-batches
+    # (batch.accum_steps) are the pipeline's.
+    size: int = 1
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zero_bubble
+    # Stages each rank holds: 1 for gpipe and 1f1b; 2 or more for interleaved_1f1b; zero_bubble
+    # with 2 is the V schedule (ZBV), with more the interleaved zero-bubble one.
+    stages_per_rank: int = 1
+    # auto: the blocks cut evenly (the embedding with the first stage, the head and loss with the
+    # last); or the names of the blocks where stages 1, 2, ... begin (e.g. [blocks.2]).
+    split: Any = "auto"
+
+
 @dataclass
 class DistConfig:
     strategy: str = "ddp"  # ddp | fsdp
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     tp: TPConfig = field(default_factory=TPConfig)
+    pp: PPConfig = field(default_factory=PPConfig)
     # Class names of the model's repeated blocks (FSDP units, activation checkpointing);
     # null: what the model declares in _no_split_modules.
     blocks: Optional[List[str]] = None
@@ -225,9 +243,11 @@ class Config:
 class MeshShape:
     """The shape of the world, decided once (``derive_mesh``) and handed to the strategy.
 
-    ``replicate`` x ``shard`` x ``tp`` = world size, tp innermost: rank
-    ``(r * shard + s) * tp + t`` is tensor-parallel rank ``t`` of data-parallel
-    rank ``r * shard + s``. The ``tp`` ranks of one group cut each layer between
+    ``pp`` x ``replicate`` x ``shard`` x ``tp`` = world size, pp outermost, tp
+    innermost: rank ``((p * replicate + r) * shard + s) * tp + t`` is
+    tensor-parallel rank ``t`` of data-parallel rank ``r * shard + s`` in
+    pipeline stage group ``p``. The ``pp`` ranks that differ in ``p`` alone hold
+    the model's stages and see the same micro-batches. The ``tp`` ranks of one group cut each layer between
     them and see the same micro-batches; the data-parallel ranks
     (``replicate`` x ``shard``) see different ones. Data-parallel ranks
     ``r * shard ... r * shard + shard - 1`` form shard group ``r`` (consecutive:
@@ -239,10 +259,20 @@ class MeshShape:
     replicate: int
     shard: int
     tp: int = 1
+    pp: int = 1
 
     @property
     def world_size(self) -> int:
+        return self.pp * self.replicate * self.shard * self.tp
+
+    @property
+    def stage_ranks(self) -> int:
+        """Ranks of one pipeline stage group: replicate x shard x tp."""
         return self.replicate * self.shard * self.tp
+
+    def pp_rank(self, rank: int) -> int:
+        """Which pipeline stage group global ``rank`` is in (0 holds the first stage)."""
+        return rank // self.stage_ranks
 
     @property
     def data_ranks(self) -> int:
@@ -250,12 +280,14 @@ class MeshShape:
         return self.replicate * self.shard
 
     def counts_batch(self, rank: int) -> bool:
-        """Whether ``rank``'s micro-batches count in the step's totals: one rank per tensor-parallel group."""
-        return rank % self.tp == 0
+        """Whether ``rank``'s micro-batches count in the step's totals: one rank per tensor-parallel group,
+        in the group of the last pipeline stage (which computes the loss)."""
+        return rank % self.tp == 0 and self.pp_rank(rank) == self.pp - 1
 
     def data_rank(self, rank: int) -> int:
-        """Which micro-batches global ``rank`` sees: the same for every rank of a tensor-parallel group."""
-        return rank // self.tp
+        """Which micro-batches global ``rank`` sees: the same for every rank of a tensor-parallel group and
+        for every stage of a pipeline."""
+        return (rank % self.stage_ranks) // self.tp
 
     @property
     def kind(self) -> str:
@@ -271,11 +303,21 @@ class MeshShape:
             text = f"fsdp: 1 shard group of {self.shard} ranks"
         else:
             text = f"hsdp: {self.replicate} replicas x shard groups of {self.shard} ranks"
-        return text if self.tp == 1 else f"{text}, each rank a tensor-parallel group of {self.tp} ranks"
+        if self.tp > 1:
+            text = f"{text}, each rank a tensor-parallel group of {self.tp} ranks"
+        return text if self.pp == 1 else f"pipeline of {self.pp} stage groups, each {text}"
 
 
 def derive_mesh(dist: "DistConfig", world_size: int, local_world_size: int) -> MeshShape:
-    """The mesh of ``dist.tp.size``, ``dist.strategy`` and ``dist.fsdp.shard_size``; ConfigError naming the key."""
+    """The mesh of ``dist.pp.size``, ``dist.tp.size``, ``dist.strategy`` and ``dist.fsdp.shard_size``; ConfigError
+    naming the key."""
+    pp = dist.pp.size
+    _check(world_size % pp == 0, "dist.pp.size", pp,
+           f"must divide the world size {world_size} (one of {_divisors(world_size)})")
+    if pp > 1:
+        # Each stage group is a mesh of its own: consecutive ranks, a node's (or part of one).
+        shape = derive_mesh(replace(dist, pp=PPConfig()), world_size // pp, min(local_world_size, world_size // pp))
+        return replace(shape, pp=pp)
     tp = dist.tp.size
     _check(world_size % tp == 0, "dist.tp.size", tp,
            f"must divide the world size {world_size} (one of {_divisors(world_size)})")
@@ -320,7 +362,9 @@ class BatchPlan:
 
     def describe(self) -> str:
         ranks = (f"world size {self.world_size}" if self.data_ranks == self.world_size else
-                 f"data-parallel ranks {self.data_ranks} (world size {self.world_size} / tp {self.mesh.tp})")
+                 f"data-parallel ranks {self.data_ranks} (world size {self.world_size}"
+                 + (f" / tp {self.mesh.tp}" if self.mesh.tp > 1 else "")
+                 + (f" / pp {self.mesh.pp}" if self.mesh.pp > 1 else "") + ")")
         return (
             f"{ranks} x micro batch {self.micro_batch_size} "
             f"x accum steps {self.accum_steps} = global batch {self.global_batch_size} "
@@ -482,6 +526,7 @@ def _validate_values(cfg: Config) -> None:
                "is not supported with dist.strategy=fsdp (its trials run the whole unsharded model on each "
                "rank): set an integer batch.micro_batch_size, or dist.strategy=ddp")
     _validate_tp(cfg)
+    _validate_pp(cfg)
     _check_loggers(cfg.logger)
     for node in ("model", "data"):
         target = getattr(cfg, node).get("_target_")
@@ -524,6 +569,88 @@ def _validate_tp(cfg: Config) -> None:
            "set dist.tp.size=1, or model.lora.r=null for full fine-tuning")
 
 
+def _validate_pp(cfg: Config) -> None:
+    pp, d = cfg.dist.pp, cfg.dist
+    _check(isinstance(pp.size, int) and not isinstance(pp.size, bool) and pp.size >= 1, "dist.pp.size", pp.size,
+           "must be an integer >= 1 (1: no pipeline)")
+    _check(pp.schedule in PP_SCHEDULES, "dist.pp.schedule", pp.schedule, f"must be one of {list(PP_SCHEDULES)}")
+    v = pp.stages_per_rank
+    _check(isinstance(v, int) and not isinstance(v, bool) and v >= 1, "dist.pp.stages_per_rank", v,
+           "must be an integer >= 1")
+    if pp.schedule in ("gpipe", "1f1b"):
+        _check(v == 1, "dist.pp.stages_per_rank", v, f"must be 1 with dist.pp.schedule={pp.schedule} (a single-stage "
+               "schedule); interleaved_1f1b and zero_bubble hold several stages per rank")
+    else:
+        _check(v >= 2, "dist.pp.stages_per_rank", v, f"must be 2 or more with dist.pp.schedule={pp.schedule} "
+               "(2 with zero_bubble is the V schedule); or use dist.pp.schedule=1f1b")
+    _check(pp.split == "auto" or (isinstance(pp.split, (list, tuple)) and all(isinstance(n, str) for n in pp.split)),
+           "dist.pp.split", pp.split, "auto, or the names of the blocks where stages 1, 2, ... begin (e.g. [blocks.2])")
+    if pp.size == 1:
+        return
+    # What the pipeline does not combine with (yet), named by both keys, before anything is built.
+    why = {
+        "dist.pp.schedule": (pp.schedule != "zero_bubble", "zero_bubble is not supported yet: torch's zero-bubble "
+                             "schedules compute weight gradients apart, for the stage's own parameters, which FSDP2 "
+                             "(every stage's wrapper here) holds sharded, so they would be lost; use 1f1b or "
+                             "interleaved_1f1b"),
+        "dist.tp.size": (d.tp.size == 1, "pipeline stages over tensor-parallel groups are not supported yet: set "
+                         "dist.tp.size=1 or dist.pp.size=1"),
+        "trainer.compile": (not cfg.trainer.compile, "compiling pipeline stages is not supported: set "
+                            "trainer.compile=false or dist.pp.size=1"),
+        "dist.sync_batchnorm": (not d.sync_batchnorm, "is not supported with pipeline stages: set "
+                                "dist.sync_batchnorm=false or dist.pp.size=1"),
+        "dist.check_consistency_every": (d.check_consistency_every == 0, "compares whole replicas across ranks, and "
+                                         "each pipeline rank holds other stages: set dist.check_consistency_every=0"),
+        "batch.micro_batch_size": (cfg.batch.micro_batch_size != "auto", "auto is not supported with dist.pp.size > 1 "
+                                   "(its trials run the whole model on each rank): set an integer"),
+        "dist.fsdp.reshard": (d.strategy == "ddp" or d.fsdp.reshard != "micro_batch", "micro_batch is not supported "
+                              "with dist.pp.size > 1: torch's stages keep each unit gathered from its first backward "
+                              "to the step's end, so a unit gathers once a step under forward or step; set "
+                              "dist.fsdp.reshard=forward"),
+        "dist.fsdp.accum_sync": (d.strategy == "ddp" or d.fsdp.accum_sync == "last", "every is not supported with "
+                                 "dist.pp.size > 1 (the schedule reduces gradients once, after its last backward): "
+                                 "set dist.fsdp.accum_sync=last"),
+    }
+    for key, (ok, text) in why.items():
+        _check(ok, key, _get(cfg, key), f"{text} (dist.pp.size={pp.size})")
+    lora = cfg.model.get("lora") or {}
+    _check(not (isinstance(lora, dict) and lora.get("r")), "model.lora.r", lora.get("r") if isinstance(lora, dict)
+           else lora, f"LoRA adapters on pipeline stages are not supported yet (dist.pp.size={pp.size}): set "
+           "dist.pp.size=1, or model.lora.r=null")
+
+
+def _get(cfg: Config, key: str) -> Any:
+    node: Any = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def pp_window_need(schedule: str, stages: int, pp: int, accum: int) -> Optional[str]:
+    """Why ``accum`` micro-batches are too few (or the wrong number) for the schedule; None if they serve."""
+    if schedule in ("1f1b", "zero_bubble") and accum < stages:
+        return f"needs at least as many micro-batches as stages ({stages})"
+    if schedule in ("interleaved_1f1b", "zero_bubble") and accum > pp and accum % max(1, accum // pp):
+        rounds = max(1, accum // pp)
+        return f"needs a multiple of its rounds ({rounds} = accum steps // dist.pp.size={pp})"
+    return None
+
+
+def _check_pp_window(pp: PPConfig, accum: int, glob: int, data_ranks: int, micro: int) -> None:
+    """The step's micro-batches serve the schedule, or a ConfigError naming batch.* and dist.pp.* and what would."""
+    stages = pp.size * pp.stages_per_rank
+    why = pp_window_need(pp.schedule, stages, pp.size, accum)
+    if why is None:
+        return
+    fits = [n for n in range(1, 4 * max(accum, stages) + 1) if pp_window_need(pp.schedule, stages, pp.size, n) is None]
+    near = sorted(fits, key=lambda n: (abs(n - accum), n))[:3]
+    raise ConfigError(
+        f"batch.accum_steps={accum} (global batch {glob} / ({data_ranks} data-parallel ranks x micro batch {micro})): "
+        f"dist.pp.schedule={pp.schedule} with dist.pp.size={pp.size} x dist.pp.stages_per_rank={pp.stages_per_rank} "
+        f"{why}. Valid accum steps near it: {sorted(near)}; set batch.global_batch_size (or batch.accum_steps, "
+        "batch.micro_batch_size) to give one, or change dist.pp.*")
+
+
 def validate(cfg: Config, world_size: int, local_world_size: Optional[int] = None) -> BatchPlan:
     """Check every value and derive the batch plan and the mesh; raises ConfigError naming the key.
 
@@ -548,8 +675,11 @@ def validate(cfg: Config, world_size: int, local_world_size: Optional[int] = Non
         batch = BatchConfig(micro_batch_size=1, global_batch_size=glob)  # provisional, until the finder runs
     mesh = derive_mesh(cfg.dist, world_size, local_world_size or world_size)
     # The ranks of one tensor-parallel group see the same micro-batches: the split counts data-parallel ranks.
-    accum, glob = derive_batch(batch, mesh.data_ranks,
-                               "world size" if mesh.tp == 1 else f"data-parallel ranks (dist.tp.size={mesh.tp})")
+    accum, glob = derive_batch(batch, mesh.data_ranks, "world size" if mesh.data_ranks == world_size else
+                               "data-parallel ranks (" + ", ".join(f"dist.{k}.size={n}" for k, n in
+                                                                    (("tp", mesh.tp), ("pp", mesh.pp)) if n > 1) + ")")
+    if mesh.pp > 1:
+        _check_pp_window(cfg.dist.pp, accum, glob, mesh.data_ranks, batch.micro_batch_size)
     return BatchPlan(
         world_size=world_size,
         micro_batch_size=batch.micro_batch_size,

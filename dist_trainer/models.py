@@ -182,21 +182,37 @@ class GPT(nn.Module):
         matmul_params = self.num_params(non_embedding=True)
         return 6.0 * matmul_params + 12.0 * self.n_layer * self.n_embd * self.block_size
 
-    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Next-token logits ``[B, T, vocab_size]`` for ``input_ids`` ``[B, T]``."""
+    # Pipeline stages (dist.pp.size): the modules of the first stage before the blocks, of the last after.
+    pp_first = ("tok_emb", "pos_emb", "drop")
+    pp_last = ("ln_f", "head")
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The residual stream ``[B, T, n_embd]`` before the first block."""
         T = input_ids.shape[1]
         assert T <= self.block_size, (
             f"sequence length {T} exceeds model block_size {self.block_size}"
         )
         pos = torch.arange(T, device=input_ids.device)
-        x = self.drop(self.tok_emb(input_ids) + self.pos_emb(pos))
+        return self.drop(self.tok_emb(input_ids) + self.pos_emb(pos))
+
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Next-token logits ``[B, T, vocab_size]`` for ``input_ids`` ``[B, T]``."""
+        x = self.embed(input_ids)
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        targets = batch["targets"]
-        logits = self.logits(batch["input_ids"])
+    def stage_forward(self, x: torch.Tensor, blocks: list, first: bool, last: bool) -> torch.Tensor:
+        """One pipeline stage: token ids (``first``) or the stream in; the stream or (``last``) logits out."""
+        if first:
+            x = self.embed(x)
+        for block in blocks:
+            x = block(x)
+        return self.head(self.ln_f(x)) if last else x
+
+    @staticmethod
+    def loss_terms(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The summed next-token cross-entropy over the non-ignored targets, and their number."""
         # Cross-entropy in float32 so it stays accurate under autocast.
         loss_sum = F.cross_entropy(
             logits.float().view(-1, logits.size(-1)),
@@ -206,6 +222,9 @@ class GPT(nn.Module):
         )
         num_items = (targets != IGNORE_INDEX).sum()
         return {"loss_sum": loss_sum, "num_items": num_items}
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self.loss_terms(self.logits(batch["input_ids"]), batch["targets"])
 
 
 class DigitsConvNet(nn.Module):

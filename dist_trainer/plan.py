@@ -23,6 +23,7 @@ from .config import BatchPlan, Config, ConfigError, MeshShape, validate
 from .data import StepPlan, build_dataset
 from .parallel.blocks import find_blocks
 from .parallel.comm import COMM_KEYS as GRADIENT_COMM_KEYS
+from .parallel.pp import pp_bubble
 from .parallel.tp import TP_COMM_KEYS, expected_tp_comm, local_shapes, norm_activation_bytes
 from .precision import Precision
 
@@ -30,6 +31,7 @@ MIB = 2**20
 FIRST_BUCKET_BYTES = 1 * MIB  # DDP's smaller first bucket when bucket_cap_mb is left to it
 DEFAULT_BUCKET_MB = 25.0
 COMM_KEYS = GRADIENT_COMM_KEYS + ("step_allreduces", "step_allreduce_bytes")  # and the step's own all-reduce
+PP_COMM_KEYS = ("p2p_sends", "p2p_send_bytes", "p2p_recvs", "p2p_recv_bytes")
 # Which mesh dimension each kind of collective runs over (hsdp: shard groups, replicas).
 COMM_DIMS = {"ddp": {"allreduces": "all ranks"},
              "fsdp": {"all_gathers": "shard", "reduce_scatters": "shard"},
@@ -69,8 +71,8 @@ def shard_elements(p: torch.Tensor, shard: int, shape: Optional[torch.Size] = No
 
 
 def sharded_by_fsdp(cfg: Config) -> bool:
-    """fsdp, hsdp, and ddp's replicas under tensor parallelism (FSDP2 with shard groups of one)."""
-    return cfg.dist.strategy == "fsdp" or cfg.dist.tp.size > 1
+    """fsdp, hsdp, and ddp's replicas under tensor or pipeline parallelism (FSDP2 with shard groups of one)."""
+    return cfg.dist.strategy == "fsdp" or cfg.dist.tp.size > 1 or cfg.dist.pp.size > 1
 
 
 def fsdp_units(model: nn.Module, blocks: List[nn.Module]) -> List[List[nn.Parameter]]:
@@ -98,10 +100,10 @@ def unit_shard_bytes(cfg: Config, model: nn.Module, precision: Precision, shard:
             for unit in fsdp_units(model, find_blocks(model, cfg.dist.blocks))]
 
 
-def step_stats_bytes(world_size: int) -> int:
+def step_stats_bytes(world_size: int, pipeline: bool = False) -> int:
     """The step's own all-reduce: float64 loss, items, samples, stop flag, norm share; per rank a
-    non-finite flag, its data wait and its compute time."""
-    return (5 + 3 * world_size) * 8
+    non-finite flag, its data wait and its compute time (pipeline stages: its idle and schedule seconds too)."""
+    return (5 + (5 if pipeline else 3) * world_size) * 8
 
 
 def expected_comm(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision) -> Dict[str, int]:
@@ -148,6 +150,94 @@ def expected_comm(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Pre
     counts["step_allreduces"] = 1
     counts["step_allreduce_bytes"] = step_stats_bytes(mesh.world_size)
     return counts
+
+
+def pp_stage_groups(cfg: Config, model: nn.Module) -> List[Dict[str, Any]]:
+    """Per stage group (pp rank): its stages, their blocks, and the parameters of each FSDP unit it holds
+    (each held block's, then each stage's root: the first stage's embedding, the last's norm and head, a tied
+    weight copied into the last)."""
+    from .parallel.pp import cut_stages, stage_indices
+
+    pp, per_rank = cfg.dist.pp.size, cfg.dist.pp.stages_per_rank
+    blocks = find_blocks(model, cfg.dist.blocks)
+    names = {id(m): n for n, m in model.named_modules()}
+    block_names = [names[id(b)] for b in blocks]
+    stages = pp * per_rank
+    cuts = cut_stages(block_names, stages, cfg.dist.pp.split, f"dist.pp.size={pp} x dist.pp.stages_per_rank={per_rank}")
+    groups = []
+    for r in range(pp):
+        held = stage_indices(r, pp, per_rank, cfg.dist.pp.schedule)
+        units = [list(blocks[i].parameters()) for s in held for i in cuts[s]]
+        for s in held:
+            roots = (list(model.pp_first) if s == 0 else []) + (list(model.pp_last) if s == stages - 1 else [])
+            units.append([p for n in roots for p in model.get_submodule(n).parameters()])
+        groups.append({"stages": held, "blocks": [[block_names[i] for i in cuts[s]] for s in held],
+                       "units": units, "first": 0 in held, "last": stages - 1 in held})
+    return groups
+
+
+def pp_expected(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision) -> List[Dict[str, Any]]:
+    """Each stage group's full step: FSDP's collectives per unit (gathered once a step: torch's stages keep a
+    unit gathered through backward; one reduce-scatter, one replica all-reduce), the tied weight's all-reduce
+    between the first and last stage groups, the sends and receives of activations and their gradients, the
+    step's own all-reduce; and its state_mb."""
+    mesh, accum = plan.mesh, plan.accum_steps
+    S, stages = mesh.shard, mesh.pp * cfg.dist.pp.stages_per_rank
+    stream = (precision.param_dtype or torch.float32).itemsize
+    activation = _micro_batch_tokens(cfg, plan, model) * model.n_embd * stream
+    groups = pp_stage_groups(cfg, model)
+    v_shape = groups[0]["first"] and groups[0]["last"]
+    tied = _tied_across(model)
+    out = []
+    for g in groups:
+        counts = dict.fromkeys(COMM_KEYS + PP_COMM_KEYS, 0)
+        params = []
+        for unit in g["units"]:
+            params += unit
+            gathered = sum(shard_elements(p, S) * (precision.param_dtype or p.dtype).itemsize for p in unit)
+            grad = sum(shard_elements(p, S) for p in unit if p.requires_grad) * 4
+            if not gathered:
+                continue
+            if S > 1:
+                counts["all_gathers"] += 1
+                counts["all_gather_bytes"] += S * gathered
+                if grad:
+                    counts["reduce_scatters"] += 1
+                    counts["reduce_scatter_bytes"] += S * grad
+            if mesh.replicate > 1 and grad:
+                counts["allreduces"] += 1
+                counts["allreduce_bytes"] += grad
+        if not v_shape and (g["first"] or g["last"]):
+            for p in tied:
+                counts["allreduces"] += 1
+                counts["allreduce_bytes"] += shard_elements(p, S) * 4
+        for s in g["stages"]:
+            for kind, exists in (("send", s != stages - 1), ("recv", s != 0)):  # forward: the activation
+                if exists:
+                    counts[f"p2p_{kind}s"] += accum
+                    counts[f"p2p_{kind}_bytes"] += accum * activation
+            for kind, exists in (("send", s != 0), ("recv", s != stages - 1)):  # backward: its gradient
+                if exists:
+                    counts[f"p2p_{kind}s"] += accum
+                    counts[f"p2p_{kind}_bytes"] += accum * activation
+        counts["step_allreduces"] = 1
+        counts["step_allreduce_bytes"] = step_stats_bytes(mesh.world_size, pipeline=True)
+        state = expected_state_bytes(cfg, [p for p in params if p.requires_grad], S)
+        gathered_all = sum(S * shard_elements(p, S) * (precision.param_dtype or p.dtype).itemsize for p in params)
+        grads_all = sum(S * shard_elements(p, S) * 4 for p in params if p.requires_grad)
+        # Every unit stays gathered (a shard group of one rank too: FSDP2 still unshards into its own buffer) and
+        # keeps its unsharded gradient from its first backward to the step's reduction.
+        held = gathered_all + (grads_all if accum > 1 else 0)
+        out.append({"stages": g["stages"], "blocks": g["blocks"], "first": g["first"], "last": g["last"],
+                    "step": counts, "state_mb": state / MIB,
+                    "step_peak_state_mb": (state + held) / MIB})
+    return out
+
+
+def _tied_across(model: nn.Module) -> List[torch.Tensor]:
+    """Parameters shared between the model's first-stage and last-stage modules (the GPT's embedding and head)."""
+    first = {id(p) for n in model.pp_first for p in model.get_submodule(n).parameters()}
+    return [p for n in model.pp_last for p in model.get_submodule(n).parameters() if id(p) in first]
 
 
 def _micro_batch_tokens(cfg: Config, plan: BatchPlan, model: nn.Module) -> int:
@@ -260,7 +350,7 @@ def plan_numbers(cfg: Config, plan: BatchPlan, model: Optional[nn.Module] = None
     sharded parameter's shape is its whole shape); None builds one on the meta device.
     """
     precision = Precision(cfg.precision, torch.device("cpu"))
-    if model is None:
+    if model is None or plan.mesh.pp > 1:  # a pipeline rank's module holds its stages only: build the whole one
         model = meta_model(cfg, precision)
     params = [p for p in model.parameters() if p.requires_grad]
     auto = cfg.batch.micro_batch_size == "auto"  # the split, and so K, is known only once the finder has run
@@ -271,9 +361,11 @@ def plan_numbers(cfg: Config, plan: BatchPlan, model: Optional[nn.Module] = None
     dims = dict(COMM_DIMS["hsdp" if mesh.kind == "ddp" and mesh.tp > 1 else mesh.kind])
     if mesh.tp > 1:
         dims.update({key: "tp" for key in TP_COMM_KEYS if not key.endswith("_bytes")})
+    if mesh.pp > 1:
+        return _pp_numbers(cfg, plan, model, precision, auto)
     return {
         "world_size": plan.world_size,
-        "mesh": {"kind": mesh.kind, "replicate": mesh.replicate, "shard": mesh.shard, "tp": mesh.tp},
+        "mesh": {"kind": mesh.kind, "replicate": mesh.replicate, "shard": mesh.shard, "tp": mesh.tp, "pp": 1},
         "comm_dims": dims,
         "micro_batch_size": None if auto else plan.micro_batch_size, "accum_steps": None if auto else plan.accum_steps,
         "global_batch_size": plan.global_batch_size,
@@ -288,6 +380,37 @@ def plan_numbers(cfg: Config, plan: BatchPlan, model: Optional[nn.Module] = None
                                if mesh.tp > 1 and not auto else None),
         "step": step, "first_step": None if step is None else first_step_comm(step),
         "resumed_step": None if step is None else resumed_step_comm(step),
+    }
+
+
+def _pp_numbers(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision, auto: bool) -> Dict[str, Any]:
+    """plan.json under pipeline stages: the keys of every run, from stage group 0 (rank 0's, as metrics.jsonl),
+    and ``pp_stage_groups``: each stage group's stages, blocks, collectives and state."""
+    mesh = plan.mesh
+    groups = pp_expected(cfg, plan, model, precision)
+    step = groups[0]["step"]
+    dims = dict(COMM_DIMS["hsdp" if mesh.kind == "ddp" else mesh.kind])
+    dims.update({"p2p_sends": "pp", "p2p_recvs": "pp"})
+    if _tied_across(model) and not (groups[0]["first"] and groups[0]["last"]):
+        dims["allreduces"] = dims.get("allreduces", "replicate") + "; the tied weight's: first and last stage groups"
+    pp = cfg.dist.pp
+    return {
+        "world_size": plan.world_size,
+        "mesh": {"kind": mesh.kind, "replicate": mesh.replicate, "shard": mesh.shard, "tp": mesh.tp, "pp": mesh.pp},
+        "comm_dims": dims,
+        "micro_batch_size": plan.micro_batch_size, "accum_steps": plan.accum_steps,
+        "global_batch_size": plan.global_batch_size,
+        "dist.fsdp.reshard": cfg.dist.fsdp.reshard if mesh.kind != "ddp" else None,
+        "dist.fsdp.accum_sync": cfg.dist.fsdp.accum_sync if mesh.kind != "ddp" else None,
+        "dist.pp.schedule": pp.schedule, "dist.pp.stages_per_rank": pp.stages_per_rank,
+        "parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "state_mb": max(g["state_mb"] for g in groups),
+        "step_peak_state_mb": max(g["step_peak_state_mb"] for g in groups),
+        "norm_activation_mb": None,
+        "pp_bubble": pp_bubble(pp.schedule, mesh.pp, pp.stages_per_rank, plan.accum_steps),
+        "pp_stage_groups": [{**g, "first_step": first_step_comm(g["step"]),
+                             "resumed_step": resumed_step_comm(g["step"])} for g in groups],
+        "step": step, "first_step": first_step_comm(step), "resumed_step": resumed_step_comm(step),
     }
 
 

@@ -48,15 +48,20 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: Any, precision: Precision, device: torch.device,
-             compiled: bool = False, context: Callable[[], Any] = nullcontext) -> float:
+             compiled: bool = False, context: Callable[[], Any] = nullcontext,
+             pipeline: Optional[Callable[..., Any]] = None) -> float:
     """Item-weighted mean loss over the held-out batches of all ranks (eagerly, also when compiled).
 
     ``context``: the strategy's evaluation context (fsdp reshards what eval left gathered).
     """
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)
+    if pipeline is not None:  # pipeline stages: the schedule runs the forward passes, the last stage the loss
+        with context():
+            loss_sum, items = pipeline([to_device(b, device) for b in loader], precision.autocast)
+        totals += torch.stack([loss_sum, items])
     with context():
-        for batch in loader:
+        for batch in (loader if pipeline is None else ()):
             with precision.autocast(), eager_eval(compiled):
                 output = model(to_device(batch, device))
             loss_sum, items = loss_terms(output, batch, count=True)
@@ -320,7 +325,8 @@ def _loop(cfg: Config, parts: Parts, position: Position, outputs: Outputs, stop:
             if evals is not None and ((tcfg.eval_every and step % tcfg.eval_every == 0) or last):
                 watch.begin("eval", step)
                 record["eval_loss"] = evaluate(trainer.module, evals, trainer.precision, env.device, tcfg.compile,
-                                               trainer.strategy.evaluation)
+                                               trainer.strategy.evaluation,
+                                               getattr(trainer.strategy, "eval_window", None))
             outputs.write(record)
             if last or outcome.stop_requested or (tcfg.ckpt_every and step % tcfg.ckpt_every == 0):
                 watch.begin("checkpoint", step)
@@ -343,7 +349,8 @@ def _loop(cfg: Config, parts: Parts, position: Position, outputs: Outputs, stop:
 
 def _peak_model_flops(trainer: Trainer) -> Optional[tuple[float, float]]:
     """(model FLOPs per item, peak FLOP/s of all ranks), or None where MFU cannot be known."""
-    flops = getattr(trainer.module, "flops_per_item", None)
+    # Under pipeline stages a rank holds part of the model: its own count is not the model's (no mfu then).
+    flops = getattr(trainer.module, "flops_per_item", None) if trainer.plan.mesh.pp == 1 else None
     peak = peak_flops(trainer.env.device, trainer.precision.autocast_dtype is not None)
     if not callable(flops) or not peak:
         return None
@@ -365,6 +372,14 @@ def step_record(outcome: StepOutcome, position: Position, trainer: Trainer, step
         "samples_per_s": outcome.samples / step_time, "items_per_s": outcome.items / step_time,
         "peak_mem_mb": peak_mem_mb(env.device),
     }
+    if outcome.pp_idle_times:  # pipeline stages: each stage group's idle seconds (its slowest rank's), measured
+        mesh, per = trainer.plan.mesh, trainer.plan.mesh.stage_ranks
+        groups = range(mesh.pp)
+        record["pp_idle_s"] = [max(outcome.pp_idle_times[g * per:(g + 1) * per]) for g in groups]
+        record["pp_idle_frac"] = [max(i / max(w, 1e-9) for i, w in zip(outcome.pp_idle_times[g * per:(g + 1) * per],
+                                                                    outcome.pp_schedule_times[g * per:(g + 1) * per]))
+                                  for g in groups]
+        record["pp_bubble"] = trainer.strategy.bubble
     if outcome.item_form and getattr(trainer.module, "items_are_tokens", False):
         record["tokens_per_s"] = record["items_per_s"]  # the model says its items are tokens
     if mfu_basis is not None:

@@ -69,6 +69,9 @@ class StepOutcome:
     # reduction was issued (health/stragglers.py), by rank.
     data_times: List[float] = field(default_factory=list)
     compute_times: List[float] = field(default_factory=list)
+    # Pipeline stages: each rank's idle seconds within the schedule, and the schedule's wall seconds, by rank.
+    pp_idle_times: List[float] = field(default_factory=list)
+    pp_schedule_times: List[float] = field(default_factory=list)
 
 
 def _leading_dim(batch: Any) -> int:
@@ -130,7 +133,9 @@ class Trainer:
         self.own_comm = {"step_allreduces": 0, "step_allreduce_bytes": 0}
         # 1 on the rank whose micro-batches count in the step's totals, 0 on the other ranks of its
         # tensor-parallel group (which ran the same ones); 1 everywhere without tp.
-        self.batch_share = float(plan.mesh is None or plan.mesh.counts_batch(env.rank))
+        # Pipeline stages: the ranks of the last stage (which computes the loss), wherever the schedule put it.
+        self.batch_share = float(getattr(strategy, "counts_batch", plan.mesh is None or
+                                         plan.mesh.counts_batch(env.rank)))
 
     def train_step(self, batches: List[Any], window: Window, step: int,
                    stop_requested: Callable[[], bool] = lambda: False, data_time_s: float = 0.0) -> StepOutcome:
@@ -142,6 +147,14 @@ class Trainer:
         self.weights.zero_grad()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
         items = torch.zeros((), dtype=torch.float64, device=self.env.device)
+        pipeline = getattr(strategy, "run_window", None)
+        if pipeline is not None:  # pipeline stages: the schedule runs every micro-batch's forward and backward
+            counted = [bool(indices) for indices in window]
+            if self.loss_divisor is None:
+                self.loss_divisor = self._first_divisor(strategy.items_of(batches[0]) * float(counted[0]))
+            loss_sum, items = pipeline(batches, counted, scale / self.loss_divisor, self.precision.autocast)
+            self.item_form = True
+            batches = []  # nothing left for the loop below
         for i, (batch, indices) in enumerate(zip(batches, window)):
             last = i == len(window) - 1
             with strategy.micro_batch(last):  # whether this backward reduces gradients
@@ -169,6 +182,7 @@ class Trainer:
         outcome.allreduce_bytes = outcome.comm.get("allreduce_bytes", 0)
         outcome.state_mb, outcome.step_peak_state_mb = self.state_mb, self.step_peak_state_mb
         outcome.data_times, outcome.compute_times = totals["data_times"], totals["compute_times"]
+        outcome.pp_idle_times, outcome.pp_schedule_times = totals["pp_idle_times"], totals["pp_schedule_times"]
         return outcome
 
     def _all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
@@ -196,7 +210,8 @@ class Trainer:
         figures cost no collective of their own.
         """
         world = self.env.world_size
-        stats = torch.zeros(5 + 3 * world, dtype=torch.float64, device=self.env.device)
+        pipeline = hasattr(self.strategy, "pp_idle_s")  # two more slots a rank: idle and schedule seconds
+        stats = torch.zeros(5 + (5 if pipeline else 3) * world, dtype=torch.float64, device=self.env.device)
         # Read the stop flag now, at the step's end: a signal that came during
         # this step stops the run after it, not after the next one.
         # The ranks of one tensor-parallel group ran the same micro-batches: the first speaks for them.
@@ -208,6 +223,9 @@ class Trainer:
         stats[4] = self.strategy.grad_norm_sq(self.weights.grads())
         stats[5 + self.env.rank] = (~torch.isfinite(loss_sum)).to(torch.float64)
         stats[5 + world + self.env.rank], stats[5 + 2 * world + self.env.rank] = times
+        if pipeline:
+            stats[5 + 3 * world + self.env.rank] = self.strategy.pp_idle_s
+            stats[5 + 4 * world + self.env.rank] = self.strategy.pp_schedule_s
         self._all_reduce(stats)
         values = stats.tolist()  # the step's one host sync
         bad_ranks = [r for r in range(world) if values[5 + r] > 0]
@@ -216,7 +234,8 @@ class Trainer:
         return {"loss_sum": values[0], "items": values[1], "samples": int(values[2]),
                 "nonfinite": not math.isfinite(norm) or bool(bad_ranks), "stop": values[3] > 0,
                 "bad_ranks": bad_ranks,
-                "data_times": values[5 + world:5 + 2 * world], "compute_times": values[5 + 2 * world:],
+                "data_times": values[5 + world:5 + 2 * world], "compute_times": values[5 + 2 * world:5 + 3 * world],
+                "pp_idle_times": values[5 + 3 * world:5 + 4 * world], "pp_schedule_times": values[5 + 4 * world:],
                 "raw_norm": norm}  # norm of the grads as they stand: scaled, not yet normalised
 
     def _apply(self, totals: dict, scale: float, step: int) -> StepOutcome:

@@ -82,6 +82,10 @@ def build_strategy(model: nn.Module, env: DistEnv, cfg: DistConfig, mesh: MeshSh
     Under tensor parallelism (``mesh.tp`` > 1) ddp's replicas are FSDP2's too, with shard groups of one
     data-parallel rank: FSDP2 takes parameters already cut over the tp dimension, DDP does not.
     """
+    if mesh.pp > 1:
+        from .pp import PipelineStrategy
+
+        return PipelineStrategy(model, env, cfg, mesh, precision, compile)
     if mesh.strategy == "fsdp" or mesh.tp > 1:
         from .fsdp import FSDPStrategy
 

@@ -1,0 +1,416 @@
+"""``dist.pp.size`` > 1: the model cut into pipeline stages, run by torch's schedules, exact.
+
+The mesh is pp x replicate x shard (``config.MeshShape``): each of the ``pp``
+stage groups holds some of the model's stages, sharded or replicated over its
+data-parallel ranks as fsdp, hsdp or ddp would (ddp as FSDP2 with shard groups
+of one rank, as under tensor parallelism). The ranks that differ in their
+stage group alone see the same micro-batches.
+
+Stages. The blocks (``dist.blocks``) are cut into ``size x stages_per_rank``
+stages, evenly (``dist.pp.split=auto``) or where the named blocks begin; the
+model's ``pp_first`` modules (the embedding) go with the first stage and its
+``pp_last`` ones (final norm, head) with the last, which also computes the loss.
+A stage group holds stages ``r, r + pp, ...`` (loop placement), or ``r`` and
+``2 pp - 1 - r`` under the V schedule. Each rank keeps one copy of the model
+pruned to what its stages hold, with the parameter names of the whole model,
+so checkpoints move between meshes; each stage is a view of it (an FSDP root
+of its own). Weights tied across stages (the GPT's embedding and head) are
+untied into one copy per stage, and their gradients summed between the two
+stages after the schedule's backward: both copies take the same update.
+
+Exactness. torch's schedules divide each micro-batch's loss by their number
+(``scale_grads``); that is a mean of micro-batch means. Here the schedule runs
+with ``scale_grads=False`` and the loss of each micro-batch is its summed loss
+times ``scale / divisor``, as in every other strategy; the trainer then divides
+by the step's total items, over every micro-batch and data-parallel rank.
+Placeholder micro-batches (a short last step) run with every target ignored.
+
+Counting. Each stage counts the sends and receives it issues (calls and the
+tensors' bytes) and the seconds it computes; the rest of the schedule's wall
+time is its idle time (the bubble, and waits for peers).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                          ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
+
+from ..config import ConfigError, DistConfig, MeshShape
+from ..distributed import DistEnv
+from ..precision import Precision
+from .blocks import find_blocks, prepare_blocks
+from .fsdp import CommCounter, FSDPStrategy, PeakMeter, ShardedWeights, _CountingAllGather, _CountingReduceScatter
+from .state import local_tensor
+
+P2P_KEYS = ("p2p_sends", "p2p_send_bytes", "p2p_recvs", "p2p_recv_bytes")
+IGNORE_INDEX = -100
+
+
+def stage_indices(pp_rank: int, pp: int, per_rank: int, schedule: str) -> List[int]:
+    """The stages stage group ``pp_rank`` holds: ``r, r + pp, ...``; the V schedule ``r`` and ``2 pp - 1 - r``."""
+    if schedule == "zero_bubble" and per_rank == 2:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(per_rank)]
+
+
+def cut_stages(block_names: Sequence[str], stages: int, split: Any, keys: str) -> List[List[int]]:
+    """Which blocks (indices into ``block_names``) each of ``stages`` stages holds; ConfigError naming the keys."""
+    count = len(block_names)
+    if split == "auto":
+        if count < stages:
+            raise ConfigError(f"{keys} make {stages} pipeline stages, but the model has {count} blocks "
+                              f"({list(block_names)}): every stage needs one at least; lower dist.pp.size or "
+                              "dist.pp.stages_per_rank, or set dist.blocks to smaller repeated modules")
+        bounds = [i * count // stages for i in range(stages + 1)]
+    else:
+        names = list(split)
+        if len(names) != stages - 1:
+            raise ConfigError(f"dist.pp.split={names}: {keys} make {stages} stages, so it names the {stages - 1} "
+                              f"blocks where stages 1..{stages - 1} begin (blocks: {list(block_names)})")
+        unknown = [n for n in names if n not in block_names]
+        if unknown:
+            raise ConfigError(f"dist.pp.split={names}: {unknown} are not blocks of the model; its blocks are "
+                              f"{list(block_names)}")
+        starts = [block_names.index(n) for n in names]
+        if starts != sorted(set(starts)) or starts[0] == 0:
+            raise ConfigError(f"dist.pp.split={names}: the blocks must be in the model's order, without the first "
+                              f"block ({block_names[0]}, where stage 0 begins), each stage holding one block at least")
+        bounds = [0, *starts, count]
+    return [list(range(bounds[i], bounds[i + 1])) for i in range(stages)]
+
+
+def untie_across(model: nn.Module, first: Sequence[str], last: Sequence[str]) -> List[Tuple[str, str]]:
+    """Give each parameter shared between a ``first`` and a ``last`` module a copy of its own in the last.
+
+    Returns the (first name, last name) pairs: their gradients are summed between the stages.
+    """
+    names: Dict[int, List[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    inside = lambda name, roots: any(name == r or name.startswith(r + ".") for r in roots)  # noqa: E731
+    ties = []
+    for group in names.values():
+        a = [n for n in group if inside(n, first)]
+        b = [n for n in group if inside(n, last)]
+        for name in b if a else []:
+            owner, _, attr = name.rpartition(".")
+            module = model.get_submodule(owner)
+            setattr(module, attr, nn.Parameter(getattr(module, attr).detach().clone()))
+            ties.append((a[0], name))
+    return ties
+
+
+class StageModule(nn.Module):
+    """One stage: a view of the pruned model (its modules are the model's own), run by ``stage_forward``."""
+
+    def __init__(self, model: nn.Module, index: int, blocks: List[nn.Module], first: bool, last: bool):
+        super().__init__()
+        self.index, self.first, self.last = index, first, last
+        held = ([model.get_submodule(n) for n in model.pp_first] if first else []) + list(blocks) + \
+               ([model.get_submodule(n) for n in model.pp_last] if last else [])
+        self.held = nn.ModuleList(held)
+        self._blocks = list(blocks)
+        object.__setattr__(self, "_model", model)  # not a child: its names are the model's, not the view's
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._model.stage_forward(x, self._blocks, self.first, self.last)
+
+
+class _CountingStage(PipelineStage):
+    """torch's stage, counting the sends and receives it issues and the seconds it computes."""
+
+    def __init__(self, *args: Any, counts: Dict[str, float], meter: PeakMeter, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.counts, self.meter = counts, meter
+
+    def _count(self, ops: List[dist.P2POp], kind: str) -> List[dist.P2POp]:
+        for op in ops:
+            self.counts[f"p2p_{kind}s"] += 1
+            self.counts[f"p2p_{kind}_bytes"] += op.tensor.numel() * op.tensor.element_size()
+        return ops
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> List[dist.P2POp]:
+        return self._count(super().get_fwd_recv_ops(fwd_chunk_id), "recv")
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> List[dist.P2POp]:
+        return self._count(super().get_bwd_recv_ops(bwd_chunk_id), "recv")
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> List[dist.P2POp]:
+        return self._count(super().get_fwd_send_ops(fwd_chunk_id), "send")
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> List[dist.P2POp]:
+        return self._count(super().get_bwd_send_ops(bwd_chunk_id), "send")
+
+    def _timed(self, run: Callable[[], Any]) -> Any:
+        began = time.perf_counter()
+        try:
+            return run()
+        finally:
+            self.counts["compute_s"] += time.perf_counter() - began
+            self.meter.sample()  # what FSDP holds unsharded after each forward and backward (until state_mb's step)
+
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        return self._timed(lambda: super(_CountingStage, self).forward_one_chunk(*args, **kwargs))
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        return self._timed(lambda: super(_CountingStage, self).backward_one_chunk(*args, **kwargs))
+
+    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        return self._timed(lambda: super(_CountingStage, self).backward_weight_one_chunk(*args, **kwargs))
+
+
+def pp_bubble(schedule: str, pp: int, per_rank: int, accum: int) -> float:
+    """The schedule's idle fraction: (p - 1) / (m + p - 1) for gpipe and 1f1b; interleaving v stages per rank
+    cuts the warm-up and drain by v: (p - 1) / (v m + p - 1)."""
+    v = per_rank if schedule != "gpipe" else 1
+    return (pp - 1) / (v * accum + pp - 1)
+
+
+SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+
+
+def schedule_class(schedule: str, per_rank: int) -> type:
+    if schedule == "zero_bubble":
+        return ScheduleZBVZeroBubble if per_rank == 2 else ScheduleInterleavedZeroBubble
+    return SCHEDULE_CLASSES[schedule]
+
+
+class PipelineStrategy(FSDPStrategy):
+    """The stages of one stage group, each an FSDP2 root over its data-parallel ranks, run by a schedule.
+
+    The step asks it what it asks every strategy (norm shares, collectives,
+    checkpoints) and, instead of calling the model per micro-batch, ``run_window``.
+    """
+
+    name = "fsdp"  # checkpoints are DCP shards, as fsdp's: any mesh reads them
+
+    def __init__(self, model: nn.Module, env: DistEnv, cfg: DistConfig, mesh: MeshShape, precision: Precision,
+                 compile: bool = False):
+        pp, per_rank, schedule = mesh.pp, cfg.pp.stages_per_rank, cfg.pp.schedule
+        if not all(hasattr(model, a) for a in ("pp_first", "pp_last", "stage_forward", "loss_terms")):
+            raise ConfigError(f"dist.pp.size={pp}: the model {type(model).__name__} does not declare its pipeline "
+                              "stages (pp_first, pp_last, stage_forward, loss_terms; the built-in GPT does): "
+                              "set dist.pp.size=1")
+        model = model.to(env.device)
+        self.env, self.mesh, self.precision = env, mesh, precision
+        dims = (("pp", pp), ("replicate", mesh.replicate), ("shard", mesh.shard))
+        root = init_device_mesh(env.device.type, tuple(n for _, n in dims), mesh_dim_names=tuple(k for k, _ in dims))
+        dmesh = root["shard"] if mesh.replicate == 1 else root["replicate", "shard"]
+        self.pp_group = root["pp"].get_group()
+        self.pp_rank = mesh.pp_rank(env.rank)
+        stages = pp * per_rank
+        self.stage_ids = stage_indices(self.pp_rank, pp, per_rank, schedule)
+        blocks = find_blocks(model, cfg.blocks)
+        block_name = {id(m): n for n, m in model.named_modules()}
+        names = [block_name[id(b)] for b in blocks]
+        cuts = cut_stages(names, stages, cfg.pp.split,
+                          f"dist.pp.size={pp} x dist.pp.stages_per_rank={per_rank}")
+        self.cuts = [[names[i] for i in cut] for cut in cuts]
+        self.ties = untie_across(model, model.pp_first, model.pp_last)
+        first, last = 0 in self.stage_ids, stages - 1 in self.stage_ids
+        self.counts_batch = last  # the last stage's ranks compute the loss: theirs count in the step's totals
+        held = {i for s in self.stage_ids for i in cuts[s]}
+        for i, name in enumerate(names):  # prune what this rank does not hold; names stay the whole model's
+            if i not in held:
+                parent, _, child = name.rpartition(".")
+                del model.get_submodule(parent)._modules[child]
+        for keep, parts in ((first, model.pp_first), (last, model.pp_last)):
+            for part in parts if not keep else ():
+                delattr(model, part)
+        kept = {b for i, b in enumerate(blocks) if i in held}
+        prepare_blocks(model, cfg.blocks, cfg.activation_checkpointing, False)
+        self.views = [StageModule(model, s, [b for i, b in enumerate(blocks) if i in cuts[s]], s == 0,
+                                  s == stages - 1) for s in self.stage_ids]
+        policy = (MixedPrecisionPolicy(param_dtype=precision.param_dtype, reduce_dtype=torch.float32)
+                  if precision.param_dtype is not None else MixedPrecisionPolicy())
+        self.reshard = cfg.fsdp.reshard
+        after_forward = self.reshard == "micro_batch"
+        for block in blocks:
+            if block in kept:
+                fully_shard(block, mesh=dmesh, reshard_after_forward=after_forward, mp_policy=policy)
+        for view in self.views:
+            fully_shard(view, mesh=dmesh, reshard_after_forward=after_forward, mp_policy=policy)
+        self.units: List[FSDPModule] = list({id(m): m for v in self.views for m in v.modules()
+                                             if isinstance(m, FSDPModule)}.values())
+        self.meter = PeakMeter(self.units)
+        self.counter = CommCounter(self.meter)
+        for unit in self.units:
+            unit.set_custom_all_gather(_CountingAllGather(self.counter))
+            unit.set_custom_reduce_scatter(_CountingReduceScatter(self.counter))
+            if mesh.replicate > 1:
+                unit.set_all_reduce_hook(self.counter.all_reduced)
+        self.model = self.module = model
+        self.tp = None
+        self.accum_sync = "last"
+        self.weights = ShardedWeights(model)
+        first_replica = mesh.data_rank(env.rank) < mesh.shard
+        tied_copies = {b for _, b in self.ties}
+        params = dict(model.named_parameters())
+        self.norm_share = {p: float(first_replica and name not in tied_copies) for name, p in params.items()
+                           if p.requires_grad}
+        self._shares_cache = ((), None)
+        self.tie_pairs = [(params.get(a), params.get(b)) for a, b in self.ties]
+        # Loop placement holds the last stage on the last stage group; the V schedule on the first, with the first.
+        v_shape = stage_indices(0, pp, per_rank, schedule)[-1] == stages - 1
+        self._tie_group = self._tie_groups(root) if self.ties and not v_shape else None
+        self.groups = [dist.group.WORLD, *dmesh.get_all_groups(), self.pp_group,
+                       *([self._tie_group] if self._tie_group is not None else [])]
+        self.counts: Dict[str, float] = {**dict.fromkeys(P2P_KEYS, 0), "compute_s": 0.0}
+        self.schedule_name, self.per_rank, self.n_stages = schedule, per_rank, stages
+        self.bubble: Optional[float] = None  # the predicted idle fraction, once the step's micro-batches are known
+        self.schedule: Any = None  # built at the first step, from its micro-batches' shapes
+        self.pp_idle_s = self.pp_schedule_s = 0.0  # this rank's idle and wall seconds in the last step's schedule
+        self._losses: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self._loss_factor = 1.0
+        self._comm_extra = {"allreduces": 0, "allreduce_bytes": 0}
+
+    def _tie_groups(self, root: Any) -> Optional[dist.ProcessGroup]:
+        """The group of the first and last stage's ranks at this rank's data-parallel position (every rank makes
+        every group, in one order, as torch requires); None on ranks in neither."""
+        pp, per = self.mesh.pp, self.mesh.stage_ranks
+        mine = None
+        for offset in range(per):
+            ranks = [offset, (pp - 1) * per + offset]
+            group = dist.new_group(ranks)
+            if self.env.rank in ranks:
+                mine = group
+        return mine
+
+    # -- the step ---------------------------------------------------------------------------------------------
+
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        terms = self.model.loss_terms(output, target)
+        loss_sum = terms["loss_sum"].float()
+        self._losses.append((loss_sum.detach(), terms["num_items"].detach()))
+        return loss_sum * self._loss_factor
+
+    def _build(self, inputs: torch.Tensor, targets: torch.Tensor, n: int) -> None:
+        mb, seq = inputs.shape[0] // n, inputs.shape[1]
+        stream = self.precision.param_dtype or torch.float32
+        width, vocab = self.model.n_embd, self.model.vocab_size  # the GPT's; declared with pp_first/pp_last
+        # Gradients flow through the stream (requires_grad), not through token ids.
+        meta = lambda *shape, dtype=stream: torch.empty(shape, dtype=dtype, device="meta",  # noqa: E731
+                                                         requires_grad=dtype.is_floating_point)
+        stages = []
+        for view in self.views:
+            s = view.index
+            inp = meta(mb, seq, dtype=torch.long) if s == 0 else meta(mb, seq, width)
+            out = meta(mb, seq, vocab) if s == self.n_stages - 1 else meta(mb, seq, width)
+            stages.append(_CountingStage(view, s, self.n_stages, self.env.device, input_args=inp, output_args=out,
+                                         group=self.pp_group, counts=self.counts, meter=self.meter))
+        cls = schedule_class(self.schedule_name, self.per_rank)
+        self.bubble = pp_bubble(self.schedule_name, self.mesh.pp, self.per_rank, n)
+        try:
+            self.schedule = cls(stages[0] if self.per_rank == 1 else stages, n_microbatches=n, loss_fn=self._loss,
+                                scale_grads=False)
+        except ValueError as err:  # validate() checks the known rules; torch's own say what else it needs
+            raise ConfigError(f"dist.pp.schedule={self.schedule_name} with batch.accum_steps={n}: {err}") from err
+
+    def run_window(self, batches: List[Any], counted: List[bool], factor: float,
+                   autocast: Callable[[], Any]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """One step's forward and backward over every micro-batch through the schedule; gradients reduced.
+
+        ``factor`` (scale / divisor) multiplies each micro-batch's summed loss. Returns the window's summed loss
+        and items on the last stage's ranks (zeros elsewhere), float64.
+        """
+        inputs = torch.cat([b["input_ids"] for b in batches])
+        targets = torch.cat([b["targets"] if keep else torch.full_like(b["targets"], IGNORE_INDEX)
+                             for b, keep in zip(batches, counted)])
+        if self.schedule is None:
+            self._build(inputs, targets, len(batches))
+        self._losses, self._loss_factor = [], factor
+        began, compute0 = time.perf_counter(), self.counts["compute_s"]
+        with autocast():
+            self.schedule.step(inputs, target=targets, return_outputs=False)
+        self.pp_schedule_s = time.perf_counter() - began
+        self.pp_idle_s = max(self.pp_schedule_s - (self.counts["compute_s"] - compute0), 0.0)
+        self._sum_tied_grads()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
+        items = torch.zeros((), dtype=torch.float64, device=self.env.device)
+        for loss, n in self._losses:
+            loss_sum += loss.double()
+            items += n.double()
+        return loss_sum, items
+
+    def items_of(self, batch: Any) -> torch.Tensor:
+        """The items of one micro-batch, known to every stage from its targets (the first step's divisor)."""
+        return (batch["targets"] != IGNORE_INDEX).sum().to(torch.float64)
+
+    def _sum_tied_grads(self) -> None:
+        """Both copies of a weight tied across stages get the sum of their gradients (this rank's shards)."""
+        for a, b in self.tie_pairs:
+            mine = [p for p in (a, b) if p is not None and p.grad is not None]
+            if len(mine) == 2:  # both stages on this rank (the V schedule's first rank)
+                total = local_tensor(a.grad) + local_tensor(b.grad)
+                local_tensor(a.grad).copy_(total)
+                local_tensor(b.grad).copy_(total)
+            elif mine and self._tie_group is not None:
+                grad = local_tensor(mine[0].grad)
+                self._comm_extra["allreduces"] += 1
+                self._comm_extra["allreduce_bytes"] += grad.numel() * grad.element_size()
+                dist.all_reduce(grad, group=self._tie_group)
+
+    @contextmanager
+    def micro_batch(self, last: bool) -> Iterator[None]:  # the schedule runs the micro-batches
+        raise RuntimeError("pipeline stages run through run_window")
+        yield
+
+    @contextmanager
+    def evaluation(self) -> Iterator[None]:
+        try:
+            yield
+        finally:
+            self.reshard_all()
+
+    def eval_window(self, batches: List[Any], autocast: Callable[[], Any]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Forward only over held-out micro-batches, ``accum_steps`` at a time through the schedule (the last
+        group filled with placeholders). The summed loss and items on the last stage's ranks, zeros elsewhere."""
+        n = self.schedule._n_microbatches
+        zero = torch.zeros((), dtype=torch.float64, device=self.env.device)
+        loss_sum, items = zero.clone(), zero.clone()
+        for start in range(0, len(batches), n):
+            group = batches[start:start + n]
+            counted = [True] * len(group) + [False] * (n - len(group))
+            group = group + [group[-1]] * (n - len(group))
+            inputs = torch.cat([b["input_ids"] for b in group])
+            targets = torch.cat([b["targets"] if keep else torch.full_like(b["targets"], IGNORE_INDEX)
+                                 for b, keep in zip(group, counted)])
+            self._losses, self._loss_factor = [], 1.0
+            with autocast():
+                self.schedule.eval(inputs, target=targets)
+            for loss, count in self._losses:
+                loss_sum += loss.double()
+                items += count.double()
+        return loss_sum, items
+
+    def comm(self) -> Dict[str, int]:
+        counts = dict(self.counter.counts)
+        for key in P2P_KEYS:
+            counts[key] = int(self.counts[key])
+        for key, value in self._comm_extra.items():
+            counts[key] += value
+        return counts
+
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        """Every rank calls it; rank 0 gets the whole FP32 state dict (every stage's), the others an empty one."""
+        state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
+        mine = {k: (v.float() if v.is_floating_point() else v).detach().cpu().clone() for k, v in state.items()}
+        send = mine if self.mesh.data_rank(self.env.rank) == 0 and self.env.rank % self.mesh.tp == 0 else None
+        gathered: List[Any] = [None] * self.env.world_size if self.env.rank == 0 else None
+        dist.gather_object(send, gathered, dst=0)
+        if self.env.rank != 0:
+            return {}
+        whole: Dict[str, torch.Tensor] = {}
+        for part in gathered:
+            whole.update(part or {})
+        return whole
