@@ -34,12 +34,14 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
@@ -49,8 +51,10 @@ from ..config import ConfigError, DistConfig, MeshShape
 from ..distributed import DistEnv
 from ..precision import Precision
 from .blocks import find_blocks, prepare_blocks
-from .fsdp import CommCounter, FSDPStrategy, PeakMeter, ShardedWeights, _CountingAllGather, _CountingReduceScatter
-from .state import local_tensor
+from ..checkpoint import load_shards
+from ..precision import frozen_names
+from .fsdp import checkpointed, CommCounter, FSDPStrategy, PeakMeter, ShardedWeights, _CountingAllGather, _CountingReduceScatter
+from .state import local_tensor, named_optimizer_state
 
 P2P_KEYS = ("p2p_sends", "p2p_send_bytes", "p2p_recvs", "p2p_recv_bytes")
 IGNORE_INDEX = -100
@@ -216,6 +220,10 @@ class PipelineStrategy(FSDPStrategy):
         cuts = cut_stages(names, stages, cfg.pp.split,
                           f"dist.pp.size={pp} x dist.pp.stages_per_rank={per_rank}")
         self.cuts = [[names[i] for i in cut] for cut in cuts]
+        # The whole model's parameter names in its optimizer's order (optim.build_optimizer's groups: matrices,
+        # then vectors), by which a ddp checkpoint's optimizer state is indexed.
+        trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.whole_names = [n for n, p in trained if p.ndim >= 2] + [n for n, p in trained if p.ndim < 2]
         self.ties = untie_across(model, model.pp_first, model.pp_last)
         first, last = 0 in self.stage_ids, stages - 1 in self.stage_ids
         self.counts_batch = last  # the last stage's ranks compute the loss: theirs count in the step's totals
@@ -414,3 +422,48 @@ class PipelineStrategy(FSDPStrategy):
         for part in gathered:
             whole.update(part or {})
         return whole
+
+    # -- checkpoints: the whole model's names, so that any mesh reads what any other wrote ----------------------
+
+    def _alias(self) -> Dict[str, str]:
+        """A tied weight's copy in the last stage is saved under the first stage's name (the one name a whole
+        model gives it), where this rank does not hold that name itself."""
+        held = {n for n, _ in self.module.named_parameters()}
+        return {b: a for a, b in self.ties if a not in held}
+
+    def _groups(self, current: List[Dict[str, Any]], saved: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        """This rank's parameter names in each group, with the saved hyperparameters."""
+        return [{**s, "params": c["params"]} for c, s in zip(current, saved)]
+
+    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+        model, optim = get_state_dict(self.module, optimizer, options=checkpointed(self.module))
+        alias = self._alias()
+        state = {alias.get(k, k): v for k, v in optim["state"].items()}
+        groups = [{**g, "params": [alias.get(n, n) for n in g["params"]]} for g in optim["param_groups"]]
+        every: List[Any] = [None] * self.env.world_size
+        dist.all_gather_object(every, groups)  # the param_groups of the whole model, for shared.pt
+        merged = [{**g, "params": list(dict.fromkeys(n for rank in every for n in rank[i]["params"]))}
+                  for i, g in enumerate(groups)]
+        return {"param_groups": merged}, {"model": model, "optim": state}
+
+    def load_checkpoint_state(self, optimizer: torch.optim.Optimizer, saved: Dict[str, Any],
+                              shards: Optional[Path]) -> None:
+        model, optim = get_state_dict(self.module, optimizer, options=checkpointed(self.module))
+        alias = self._alias()
+        back = {v: k for k, v in alias.items()}
+        if shards is not None:  # a sharded checkpoint of any mesh: DCP reshards
+            state = {"model": model, "optim": {alias.get(k, k): v for k, v in optim["state"].items()}}
+            load_shards(state, shards)
+            model, loaded = state["model"], {back.get(k, k): v for k, v in state["optim"].items()}
+            groups = self._groups(optim["param_groups"], saved["param_groups"])
+        else:  # a ddp checkpoint: whole FP32 tensors, the optimizer's state by the whole model's parameter order
+            model = {k: saved["model"][alias.get(k, k) if k not in saved["model"] else k] for k in model}
+            named = named_optimizer_state(saved["optimizer"], self.whole_names)
+            loaded = {k: named["state"][alias.get(k, k)] for k in optim["state"] if alias.get(k, k) in named["state"]}
+            groups = self._groups(optim["param_groups"], named["param_groups"])
+            options = StateDictOptions(full_state_dict=True, strict=not frozen_names(self.module))
+            set_state_dict(self.module, optimizer, model_state_dict=model,
+                           optim_state_dict={"state": loaded, "param_groups": groups}, options=options)
+            return
+        set_state_dict(self.module, optimizer, model_state_dict=model,
+                       optim_state_dict={"state": loaded, "param_groups": groups}, options=checkpointed(self.module))
