@@ -436,6 +436,21 @@ def comm_lines(numbers: Dict[str, Any], accum_steps: Optional[int]) -> List[str]
     return _dp_comm_lines(numbers, step, kind, accum_steps)
 
 
+def pp_lines(numbers: Dict[str, Any]) -> List[str]:
+    """Under pipeline stages: each stage group's blocks, sends and receives, and the schedule's bubble."""
+    if numbers["mesh"].get("pp", 1) == 1:
+        return []
+    lines = [f"  pipeline: {numbers['mesh']['pp']} stage groups, dist.pp.schedule={numbers['dist.pp.schedule']} "
+             f"x {numbers['dist.pp.stages_per_rank']} stages a rank; predicted idle fraction (pp_bubble) "
+             f"{numbers['pp_bubble']:.3f} (the collectives above are stage group 0's)"]
+    for r, g in enumerate(numbers["pp_stage_groups"]):
+        step = g["step"]
+        lines.append(f"    stage group {r}: stages {g['stages']} (blocks {sum(len(b) for b in g['blocks'])}); sends "
+                     f"{step['p2p_sends']}, {_mib(step['p2p_send_bytes'])}; receives {step['p2p_recvs']}, "
+                     f"{_mib(step['p2p_recv_bytes'])}; state {g['state_mb']:.2f} MiB")
+    return lines
+
+
 def _tp_comm_lines(step: Dict[str, int], tp: int) -> List[str]:
     return [f"  tensor-parallel collectives per optimizer step (activations, over each tp group of {tp}): "
             f"all-reduces {step['tp_allreduces']}, {_mib(step['tp_allreduce_bytes'])}; all-gathers "
@@ -473,7 +488,8 @@ def plan_report(cfg: Config, world_size: int, local_world_size: Optional[int] = 
     epochs = plan.max_steps / step_plan.steps_per_epoch
     auto = cfg.batch.micro_batch_size == "auto"
     ranks = (f"world {world_size}" if plan.data_ranks == world_size else
-             f"data-parallel ranks {plan.data_ranks} (world {world_size} / dist.tp.size={plan.mesh.tp})")
+             f"data-parallel ranks {plan.data_ranks} (world {world_size}"
+             + "".join(f" / dist.{k}.size={n}" for k, n in (("tp", plan.mesh.tp), ("pp", plan.mesh.pp)) if n > 1) + ")")
     split = (f"  micro batch auto (the largest that fits, chosen on the GPU at start-up) x accum steps "
              f"{plan.global_batch_size // world_size} / micro x world {world_size}"
              if auto else f"  micro batch {plan.micro_batch_size} x accum steps {plan.accum_steps} x {ranks}")
@@ -487,7 +503,8 @@ def plan_report(cfg: Config, world_size: int, local_world_size: Optional[int] = 
         + (f", optim.base_batch_size={cfg.optim.base_batch_size})" if cfg.optim.lr_scaling != "none" else ")"),
         f"  model {numbers['parameters']:,} trainable parameters, precision {cfg.precision.name}",
         *comm_lines(numbers, plan.accum_steps),
-        f"  plus 1 all-reduce of {step_stats_bytes(world_size)} bytes (loss, item count, squared gradient norm, "
+        *pp_lines(numbers),
+        f"  plus 1 all-reduce of {step_stats_bytes(world_size, plan.mesh.pp > 1)} bytes (loss, item count, squared gradient norm, "
         "skip and stop flags, each rank's data wait and compute time; step_allreduces; step 1 adds 2, of 8 and 16 bytes; the first after a resume 1, of 16)",
         f"  model state per rank after an optimizer step: {state / MIB:.2f} MiB ({state} bytes; state_mb, "
         f"dist.strategy={cfg.dist.strategy}, parameters, gradients, optimizer state"

@@ -277,6 +277,7 @@ class PipelineStrategy(FSDPStrategy):
         self.schedule_name, self.per_rank, self.n_stages = schedule, per_rank, stages
         self.bubble: Optional[float] = None  # the predicted idle fraction, once the step's micro-batches are known
         self.schedule: Any = None  # built at the first step, from its micro-batches' shapes
+        self.micro_batch_size: Optional[int] = None  # rows of every micro-batch the stages take (the first's)
         self.pp_idle_s = self.pp_schedule_s = 0.0  # this rank's idle and wall seconds in the last step's schedule
         self._losses: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self._loss_factor = 1.0
@@ -331,11 +332,12 @@ class PipelineStrategy(FSDPStrategy):
         ``factor`` (scale / divisor) multiplies each micro-batch's summed loss. Returns the window's summed loss
         and items on the last stage's ranks (zeros elsewhere), float64.
         """
-        inputs = torch.cat([b["input_ids"] for b in batches])
-        targets = torch.cat([b["targets"] if keep else torch.full_like(b["targets"], IGNORE_INDEX)
-                             for b, keep in zip(batches, counted)])
         if self.schedule is None:
-            self._build(inputs, targets, len(batches))
+            self.accum_steps = len(batches)  # every step's micro-batches: a full step's
+            self._build(*self._stack(batches, counted), len(batches))
+        missing = self.accum_steps - len(batches)  # a short last step may have fewer: placeholders fill it
+        batches, counted = list(batches) + [batches[-1]] * missing, list(counted) + [False] * missing
+        inputs, targets = self._stack(batches, counted)
         self._losses, self._loss_factor = [], factor
         began, compute0 = time.perf_counter(), self.counts["compute_s"]
         with autocast():
@@ -349,6 +351,24 @@ class PipelineStrategy(FSDPStrategy):
             loss_sum += loss.double()
             items += n.double()
         return loss_sum, items
+
+    def _stack(self, batches: List[Any], counted: List[bool]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The micro-batches as one batch for the schedule to cut: each padded to the micro-batch size with
+        ignored rows (the stages' shapes are fixed; a short step's micro-batches are shorter), a placeholder's
+        targets all ignored. A row's loss depends on its own tokens only, so padding changes nothing."""
+        rows = self.micro_batch_size or max(b["input_ids"].shape[0] for b in batches)
+        self.micro_batch_size = rows
+        inputs, targets = [], []
+        for b, keep in zip(batches, counted):
+            ids, tgt = b["input_ids"][:rows], b["targets"][:rows]
+            tgt = tgt if keep else torch.full_like(tgt, IGNORE_INDEX)
+            short = rows - ids.shape[0]
+            if short:
+                ids = torch.cat([ids, ids.new_zeros((short, *ids.shape[1:]))])
+                tgt = torch.cat([tgt, tgt.new_full((short, *tgt.shape[1:]), IGNORE_INDEX)])
+            inputs.append(ids)
+            targets.append(tgt)
+        return torch.cat(inputs), torch.cat(targets)
 
     def items_of(self, batch: Any) -> torch.Tensor:
         """The items of one micro-batch, known to every stage from its targets (the first step's divisor)."""
@@ -390,9 +410,7 @@ class PipelineStrategy(FSDPStrategy):
             group = batches[start:start + n]
             counted = [True] * len(group) + [False] * (n - len(group))
             group = group + [group[-1]] * (n - len(group))
-            inputs = torch.cat([b["input_ids"] for b in group])
-            targets = torch.cat([b["targets"] if keep else torch.full_like(b["targets"], IGNORE_INDEX)
-                                 for b, keep in zip(group, counted)])
+            inputs, targets = self._stack(group, counted)
             self._losses, self._loss_factor = [], 1.0
             with autocast():
                 self.schedule.eval(inputs, target=targets)
