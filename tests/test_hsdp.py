@@ -340,7 +340,7 @@ def test_every_step_matches_the_plan_exactly(grid4, name):
         assert outcomes[0]["comm"] == numbers["first_step"], (name, rank, outcomes[0]["comm"])
         assert outcomes[1]["comm"] == numbers["step"], (name, rank, outcomes[1]["comm"])
     if "/hsdp/" in name:
-        assert numbers["step"]["allreduces"] > 0 and numbers["mesh"] == {"kind": "hsdp", "replicate": 2, "shard": 2, "tp": 1}
+        assert numbers["step"]["allreduces"] > 0 and numbers["mesh"] == {"kind": "hsdp", "replicate": 2, "shard": 2, "tp": 1, "pp": 1}
 
 
 @pytest.mark.slow

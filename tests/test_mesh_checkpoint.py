@@ -110,7 +110,7 @@ def test_hsdp_checkpoint_is_sharded_and_holds_each_replicated_shard_once(runs):
     hsdp, fsdp = sum(_shard_bytes(manifest)), sum(_shard_bytes(runs.layout.fsdp))
     assert 0.9 * fsdp < hsdp < 1.1 * fsdp, (hsdp, fsdp)
     plan = json.loads((runs.ref / "plan.json").read_text())
-    assert plan["mesh"] == {"kind": "hsdp", "replicate": 2, "shard": 2, "tp": 1} and plan["accum_steps"] == 2
+    assert plan["mesh"] == {"kind": "hsdp", "replicate": 2, "shard": 2, "tp": 1, "pp": 1} and plan["accum_steps"] == 2
 
 
 def test_hsdp_resume_on_the_same_mesh_is_bit_identical(runs):

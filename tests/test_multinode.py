@@ -99,7 +99,7 @@ def test_two_agents_form_the_hsdp_mesh_of_their_nodes(two_nodes):
     assert mesh_line in two_nodes.agents_output, two_nodes.agents_output[-6000:]
     assert mesh_line in (two_nodes.run_dir / "rank0.log").read_text()
     plan = json.loads((two_nodes.run_dir / "plan.json").read_text())
-    assert plan["mesh"] == {"kind": "hsdp", "replicate": 2, "shard": 2, "tp": 1}
+    assert plan["mesh"] == {"kind": "hsdp", "replicate": 2, "shard": 2, "tp": 1, "pp": 1}
     assert (plan["world_size"], plan["accum_steps"], plan["dist.fsdp.reshard"]) == (4, 2, "step")
     for rank in range(4):  # every rank of both agents ran and trained in the shared run directory
         assert f"step {STEPS}/{STEPS}" in (two_nodes.run_dir / f"rank{rank}.log").read_text()

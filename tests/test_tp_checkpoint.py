@@ -73,7 +73,7 @@ def test_final_model_is_whole_and_every_step_matches_the_plan(runs):
     params = final_params(root / "ref")
     assert params["tok_emb.weight"].shape == (256, 32) and params["blocks.0.attn.q.weight"].shape == (32, 32)
     plan = json.loads((root / "ref" / "plan.json").read_text())
-    assert plan["mesh"] == {"kind": "fsdp", "replicate": 1, "shard": 2, "tp": 2}
+    assert plan["mesh"] == {"kind": "fsdp", "replicate": 1, "shard": 2, "tp": 2, "pp": 1}
     records = [json.loads(line) for line in (root / "ref" / "metrics.jsonl").read_text().splitlines()]
     for record in records:
         want = plan["first_step"] if record["step"] == 1 else plan["step"]
