@@ -628,9 +628,9 @@ def _get(cfg: Config, key: str) -> Any:
 
 def pp_window_need(schedule: str, stages: int, pp: int, accum: int) -> Optional[str]:
     """Why ``accum`` micro-batches are too few (or the wrong number) for the schedule; None if they serve."""
-    if schedule in ("1f1b", "zero_bubble") and accum < stages:
+    if schedule == "1f1b" and accum < stages:
         return f"needs at least as many micro-batches as stages ({stages})"
-    if schedule in ("interleaved_1f1b", "zero_bubble") and accum > pp and accum % max(1, accum // pp):
+    if schedule == "interleaved_1f1b" and accum > pp and accum % max(1, accum // pp):
         rounds = max(1, accum // pp)
         return f"needs a multiple of its rounds ({rounds} = accum steps // dist.pp.size={pp})"
     return None

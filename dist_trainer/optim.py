@@ -9,12 +9,15 @@ import torch
 from .config import OptimConfig
 
 
+def decay_split(params: List[torch.Tensor]) -> tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """(matrices and embeddings: decayed, vectors: not), in the order the optimizer holds them."""
+    return [p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2]
+
+
 def build_optimizer(params: List[torch.Tensor], cfg: OptimConfig, lr: float) -> torch.optim.Optimizer:
     """AdamW or SGD over FP32 tensors; weight decay only on matrices and embeddings."""
-    groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
+    decayed, flat = decay_split(params)
+    groups = [{"params": decayed, "weight_decay": cfg.weight_decay}, {"params": flat, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
     fused = cfg.fused if cfg.fused is not None else (cfg.name == "adamw" and params[0].device.type == "cuda")
     # Fused: one kernel over all parameters. Otherwise torch's own choice: foreach on CUDA, the

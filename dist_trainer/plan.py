@@ -94,10 +94,33 @@ def unit_shard_bytes(cfg: Config, model: nn.Module, precision: Precision, shard:
     Under tp, of what this rank holds of each parameter.
     """
     cut = local_shapes(model, cfg.dist.tp)
-    return [(sum(shard_elements(p, shard, cut.get(id(p))) * (precision.param_dtype or p.dtype).itemsize
-                 for p in unit),
-             sum(shard_elements(p, shard, cut.get(id(p))) for p in unit if p.requires_grad) * 4)
-            for unit in fsdp_units(model, find_blocks(model, cfg.dist.blocks))]
+    return [unit_bytes(unit, shard, precision, cut) for unit in fsdp_units(model, find_blocks(model, cfg.dist.blocks))]
+
+
+def unit_bytes(unit: List[torch.Tensor], shard: int, precision: Precision,
+               cut: Optional[Dict[int, torch.Size]] = None) -> Tuple[int, int]:
+    """(gathered, gradient) bytes of one rank's padded shard of one FSDP unit (``cut``: the tp shapes)."""
+    cut = cut or {}
+    return (sum(shard_elements(p, shard, cut.get(id(p))) * (precision.param_dtype or p.dtype).itemsize for p in unit),
+            sum(shard_elements(p, shard, cut.get(id(p))) for p in unit if p.requires_grad) * 4)
+
+
+def add_unit_comm(counts: Dict[str, int], mesh: MeshShape, gathered: int, grad: int, gathers: int,
+                  scatters: int) -> None:
+    """One FSDP unit's collectives of a step into ``counts``: ``gathers`` all-gathers and ``scatters``
+    reduce-scatters over its shard group (none in a group of one rank), one all-reduce across replicas."""
+    if not gathered:
+        return  # a root with every parameter in blocks: FSDP has nothing to gather for it
+    S = mesh.shard
+    if S > 1:
+        counts["all_gathers"] += gathers
+        counts["all_gather_bytes"] += gathers * S * gathered
+        if grad:
+            counts["reduce_scatters"] += scatters
+            counts["reduce_scatter_bytes"] += scatters * S * grad
+    if mesh.replicate > 1 and grad:
+        counts["allreduces"] += 1
+        counts["allreduce_bytes"] += grad
 
 
 def step_stats_bytes(world_size: int, pipeline: bool = False) -> int:
@@ -129,19 +152,8 @@ def expected_comm(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Pre
     else:
         gathers = {"micro_batch": 2 * accum, "forward": accum, "step": 1}[cfg.dist.fsdp.reshard]
         scatters = 1 if cfg.dist.fsdp.accum_sync == "last" else accum
-        S = mesh.shard
-        for gathered, grad in unit_shard_bytes(cfg, model, precision, S):
-            if not gathered:
-                continue  # a root with every parameter in blocks: FSDP has nothing to gather for it
-            if S > 1:
-                counts["all_gathers"] += gathers
-                counts["all_gather_bytes"] += gathers * S * gathered
-                if grad:
-                    counts["reduce_scatters"] += scatters
-                    counts["reduce_scatter_bytes"] += scatters * S * grad
-            if mesh.replicate > 1 and grad:
-                counts["allreduces"] += 1
-                counts["allreduce_bytes"] += grad
+        for gathered, grad in unit_shard_bytes(cfg, model, precision, mesh.shard):
+            add_unit_comm(counts, mesh, gathered, grad, gathers, scatters)
     if mesh.tp > 1:  # the activations' collectives, counted apart and in the totals
         tp = tp_comm(cfg, plan, model, precision)
         counts.update(tp)
@@ -166,7 +178,7 @@ def pp_stage_groups(cfg: Config, model: nn.Module) -> List[Dict[str, Any]]:
     cuts = cut_stages(block_names, stages, cfg.dist.pp.split, f"dist.pp.size={pp} x dist.pp.stages_per_rank={per_rank}")
     groups = []
     for r in range(pp):
-        held = stage_indices(r, pp, per_rank, cfg.dist.pp.schedule)
+        held = stage_indices(r, pp, per_rank)
         units = [list(blocks[i].parameters()) for s in held for i in cuts[s]]
         for s in held:
             roots = (list(model.pp_first) if s == 0 else []) + (list(model.pp_last) if s == stages - 1 else [])
@@ -185,29 +197,16 @@ def pp_expected(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
     S, stages = mesh.shard, mesh.pp * cfg.dist.pp.stages_per_rank
     stream = (precision.param_dtype or torch.float32).itemsize
     activation = _micro_batch_tokens(cfg, plan, model) * model.n_embd * stream
-    groups = pp_stage_groups(cfg, model)
-    v_shape = groups[0]["first"] and groups[0]["last"]
     tied = _tied_across(model)
     out = []
-    for g in groups:
+    for g in pp_stage_groups(cfg, model):
         counts = dict.fromkeys(COMM_KEYS + PP_COMM_KEYS, 0)
-        params = []
+        gathered_all = grads_all = 0  # what the stage group holds unsharded at the step's peak
         for unit in g["units"]:
-            params += unit
-            gathered = sum(shard_elements(p, S) * (precision.param_dtype or p.dtype).itemsize for p in unit)
-            grad = sum(shard_elements(p, S) for p in unit if p.requires_grad) * 4
-            if not gathered:
-                continue
-            if S > 1:
-                counts["all_gathers"] += 1
-                counts["all_gather_bytes"] += S * gathered
-                if grad:
-                    counts["reduce_scatters"] += 1
-                    counts["reduce_scatter_bytes"] += S * grad
-            if mesh.replicate > 1 and grad:
-                counts["allreduces"] += 1
-                counts["allreduce_bytes"] += grad
-        if not v_shape and (g["first"] or g["last"]):
+            gathered, grad = unit_bytes(unit, S, precision)
+            add_unit_comm(counts, mesh, gathered, grad, 1, 1)
+            gathered_all, grads_all = gathered_all + S * gathered, grads_all + S * grad
+        if g["first"] or g["last"]:  # the first stage on group 0, the last on group pp - 1
             for p in tied:
                 counts["allreduces"] += 1
                 counts["allreduce_bytes"] += shard_elements(p, S) * 4
@@ -222,9 +221,7 @@ def pp_expected(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
                     counts[f"p2p_{kind}_bytes"] += accum * activation
         counts["step_allreduces"] = 1
         counts["step_allreduce_bytes"] = step_stats_bytes(mesh.world_size, pipeline=True)
-        state = expected_state_bytes(cfg, [p for p in params if p.requires_grad], S)
-        gathered_all = sum(S * shard_elements(p, S) * (precision.param_dtype or p.dtype).itemsize for p in params)
-        grads_all = sum(S * shard_elements(p, S) * 4 for p in params if p.requires_grad)
+        state = expected_state_bytes(cfg, [p for unit in g["units"] for p in unit if p.requires_grad], S)
         # Every unit stays gathered (a shard group of one rank too: FSDP2 still unshards into its own buffer) and
         # keeps its unsharded gradient from its first backward to the step's reduction.
         held = gathered_all + (grads_all if accum > 1 else 0)
@@ -350,7 +347,9 @@ def plan_numbers(cfg: Config, plan: BatchPlan, model: Optional[nn.Module] = None
     sharded parameter's shape is its whole shape); None builds one on the meta device.
     """
     precision = Precision(cfg.precision, torch.device("cpu"))
-    if model is None or plan.mesh.pp > 1:  # a pipeline rank's module holds its stages only: build the whole one
+    if plan.mesh.pp > 1:  # a pipeline rank's module holds its stages only: plan from the whole one
+        return _pp_numbers(cfg, plan, meta_model(cfg, precision), precision)
+    if model is None:
         model = meta_model(cfg, precision)
     params = [p for p in model.parameters() if p.requires_grad]
     auto = cfg.batch.micro_batch_size == "auto"  # the split, and so K, is known only once the finder has run
@@ -361,8 +360,6 @@ def plan_numbers(cfg: Config, plan: BatchPlan, model: Optional[nn.Module] = None
     dims = dict(COMM_DIMS["hsdp" if mesh.kind == "ddp" and mesh.tp > 1 else mesh.kind])
     if mesh.tp > 1:
         dims.update({key: "tp" for key in TP_COMM_KEYS if not key.endswith("_bytes")})
-    if mesh.pp > 1:
-        return _pp_numbers(cfg, plan, model, precision, auto)
     return {
         "world_size": plan.world_size,
         "mesh": {"kind": mesh.kind, "replicate": mesh.replicate, "shard": mesh.shard, "tp": mesh.tp, "pp": 1},
@@ -383,7 +380,7 @@ def plan_numbers(cfg: Config, plan: BatchPlan, model: Optional[nn.Module] = None
     }
 
 
-def _pp_numbers(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision, auto: bool) -> Dict[str, Any]:
+def _pp_numbers(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision) -> Dict[str, Any]:
     """plan.json under pipeline stages: the keys of every run, from stage group 0 (rank 0's, as metrics.jsonl),
     and ``pp_stage_groups``: each stage group's stages, blocks, collectives and state."""
     mesh = plan.mesh
@@ -391,7 +388,7 @@ def _pp_numbers(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
     step = groups[0]["step"]
     dims = dict(COMM_DIMS["hsdp" if mesh.kind == "ddp" else mesh.kind])
     dims.update({"p2p_sends": "pp", "p2p_recvs": "pp"})
-    if _tied_across(model) and not (groups[0]["first"] and groups[0]["last"]):
+    if _tied_across(model):
         dims["allreduces"] = dims.get("allreduces", "replicate") + "; the tied weight's: first and last stage groups"
     pp = cfg.dist.pp
     return {

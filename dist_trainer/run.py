@@ -56,16 +56,15 @@ def evaluate(model: nn.Module, loader: Any, precision: Precision, device: torch.
     """
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)
-    if pipeline is not None:  # pipeline stages: the schedule runs the forward passes, the last stage the loss
-        with context():
-            loss_sum, items = pipeline([to_device(b, device) for b in loader], precision.autocast)
-        totals += torch.stack([loss_sum, items])
     with context():
-        for batch in (loader if pipeline is None else ()):
-            with precision.autocast(), eager_eval(compiled):
-                output = model(to_device(batch, device))
-            loss_sum, items = loss_terms(output, batch, count=True)
-            totals += torch.stack([loss_sum.double(), items.double().to(device)])
+        if pipeline is not None:  # pipeline stages: the schedule runs the forward passes, the last stage the loss
+            totals += torch.stack(pipeline([to_device(b, device) for b in loader], precision.autocast))
+        else:
+            for batch in loader:
+                with precision.autocast(), eager_eval(compiled):
+                    output = model(to_device(batch, device))
+                loss_sum, items = loss_terms(output, batch, count=True)
+                totals += torch.stack([loss_sum.double(), items.double().to(device)])
     dist.all_reduce(totals)  # every rank calls it, even one with no eval batches
     model.train()
     return (totals[0] / totals[1]).item()

@@ -132,43 +132,22 @@ class Trainer:
         # counted where they are issued, as the strategy counts its collectives.
         self.own_comm = {"step_allreduces": 0, "step_allreduce_bytes": 0}
         # 1 on the rank whose micro-batches count in the step's totals, 0 on the other ranks of its
-        # tensor-parallel group (which ran the same ones); 1 everywhere without tp.
-        # Pipeline stages: the ranks of the last stage (which computes the loss), wherever the schedule put it.
-        self.batch_share = float(getattr(strategy, "counts_batch", plan.mesh is None or
-                                         plan.mesh.counts_batch(env.rank)))
+        # tensor-parallel group (which ran the same ones) and on every pipeline stage but the last (which
+        # computes the loss); 1 everywhere without tp or pp.
+        self.batch_share = float(plan.mesh is None or plan.mesh.counts_batch(env.rank))
+        # Pipeline stages: the strategy's schedule runs the window's forward and backward passes.
+        self.pipeline = getattr(strategy, "run_window", None)
 
     def train_step(self, batches: List[Any], window: Window, step: int,
                    stop_requested: Callable[[], bool] = lambda: False, data_time_s: float = 0.0) -> StepOutcome:
         """``data_time_s``: how long this rank waited for ``batches`` (shared with the others in the all-reduce)."""
-        model, strategy, scale = self.model, self.strategy, self.precision.scaler.scale
+        strategy, scale = self.strategy, self.precision.scaler.scale
         began = time.perf_counter()
         comm0 = {**strategy.comm(), **self.own_comm}
         strategy.track_peak(self.state_mb is None)  # until the step that measures state_mb
         self.weights.zero_grad()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
-        items = torch.zeros((), dtype=torch.float64, device=self.env.device)
-        pipeline = getattr(strategy, "run_window", None)
-        if pipeline is not None:  # pipeline stages: the schedule runs every micro-batch's forward and backward
-            counted = [bool(indices) for indices in window]
-            if self.loss_divisor is None:
-                self.loss_divisor = self._first_divisor(strategy.items_of(batches[0]) * float(counted[0]))
-            loss_sum, items = pipeline(batches, counted, scale / self.loss_divisor, self.precision.autocast)
-            self.item_form = True
-            batches = []  # nothing left for the loop below
-        for i, (batch, indices) in enumerate(zip(batches, window)):
-            last = i == len(window) - 1
-            with strategy.micro_batch(last):  # whether this backward reduces gradients
-                with self.precision.autocast():
-                    output = model(batch)
-                self.item_form = isinstance(output, Mapping)
-                mb_loss_sum, mb_items = loss_terms(output, batch, count=bool(indices))
-                if self.loss_divisor is None:
-                    self.loss_divisor = self._first_divisor(mb_items)
-                (mb_loss_sum * (scale / self.loss_divisor)).backward()
-            if not last:
-                self.weights.accumulate()  # master modes: into the FP32 buffers
-            loss_sum += mb_loss_sum.detach()
-            items += mb_items
+        run = self._micro_batches if self.pipeline is None else self._pipeline_window
+        loss_sum, items = run(batches, window, scale)
         ready = strategy.grads_ready_at()  # when this rank issued its last gradient reduction
         times = (data_time_s, (ready if ready > began else time.perf_counter()) - began)
         totals = self._reduce_window(loss_sum, items, sum(len(ix) for ix in window), stop_requested, times)
@@ -184,6 +163,36 @@ class Trainer:
         outcome.data_times, outcome.compute_times = totals["data_times"], totals["compute_times"]
         outcome.pp_idle_times, outcome.pp_schedule_times = totals["pp_idle_times"], totals["pp_schedule_times"]
         return outcome
+
+    def _micro_batches(self, batches: List[Any], window: Window, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each micro-batch's forward and backward in turn; the window's summed loss and items (float64)."""
+        model, strategy = self.model, self.strategy
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
+        items = torch.zeros((), dtype=torch.float64, device=self.env.device)
+        for i, (batch, indices) in enumerate(zip(batches, window)):
+            last = i == len(window) - 1
+            with strategy.micro_batch(last):  # whether this backward reduces gradients
+                with self.precision.autocast():
+                    output = model(batch)
+                self.item_form = isinstance(output, Mapping)
+                mb_loss_sum, mb_items = loss_terms(output, batch, count=bool(indices))
+                if self.loss_divisor is None:
+                    self.loss_divisor = self._first_divisor(mb_items)
+                (mb_loss_sum * (scale / self.loss_divisor)).backward()
+            if not last:
+                self.weights.accumulate()  # master modes: into the FP32 buffers
+            loss_sum += mb_loss_sum.detach()
+            items += mb_items
+        return loss_sum, items
+
+    def _pipeline_window(self, batches: List[Any], window: Window, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pipeline stages: the schedule runs every micro-batch's forward and backward, the last stage the loss."""
+        counted = [bool(indices) for indices in window]
+        if self.loss_divisor is None:
+            self.loss_divisor = self._first_divisor(self.strategy.items_of(batches[0]) * float(counted[0]))
+        self.item_form = True
+        return self.pipeline(batches, counted, scale / self.loss_divisor, self.precision.autocast,
+                             self.plan.accum_steps, self.plan.micro_batch_size)
 
     def _all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
         """The trainer's own all-reduce, counted."""
@@ -210,7 +219,7 @@ class Trainer:
         figures cost no collective of their own.
         """
         world = self.env.world_size
-        pipeline = hasattr(self.strategy, "pp_idle_s")  # two more slots a rank: idle and schedule seconds
+        pipeline = self.pipeline is not None  # two more slots a rank: idle and schedule seconds
         stats = torch.zeros(5 + (5 if pipeline else 3) * world, dtype=torch.float64, device=self.env.device)
         # Read the stop flag now, at the step's end: a signal that came during
         # this step stops the run after it, not after the next one.

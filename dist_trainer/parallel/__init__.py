@@ -3,6 +3,7 @@
 The tree, top to bottom (nothing imports what is above it)::
 
     parallel/__init__.py   the Strategy protocol and build_strategy
+    pp.py                  pipeline stages, each an FSDP2 root, run by torch's schedules
     ddp.py, fsdp.py        DistributedDataParallel; FSDP2 flat (fsdp) or hybrid (hsdp)
     sync_batchnorm.py      BatchNorm statistics over all ranks (ddp)
     blocks.py, state.py    the model's blocks (sharding, activation checkpointing, compile);

@@ -186,6 +186,24 @@ class ShardedWeights:
         set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
 
 
+def mp_policy(precision: Precision) -> MixedPrecisionPolicy:
+    """Master modes gather half parameters and reduce FP32 gradients; the rest keeps FP32 (autocast computes in half)."""
+    return (MixedPrecisionPolicy(param_dtype=precision.param_dtype, reduce_dtype=torch.float32)
+            if precision.param_dtype is not None else MixedPrecisionPolicy())
+
+
+def count_units(units: List[FSDPModule], replicate: int) -> Tuple[PeakMeter, CommCounter]:
+    """FSDP's collectives of ``units``, counted where issued, and the meter of what they hold unsharded."""
+    meter = PeakMeter(units)
+    counter = CommCounter(meter)
+    for unit in units:
+        unit.set_custom_all_gather(_CountingAllGather(counter))
+        unit.set_custom_reduce_scatter(_CountingReduceScatter(counter))
+        if replicate > 1:  # only hsdp all-reduces; on a 1-D mesh the hook would follow the reduce-scatter
+            unit.set_all_reduce_hook(counter.all_reduced)
+    return meter, counter
+
+
 def device_mesh(mesh: MeshShape, device_type: str) -> Tuple[DeviceMesh, Optional[DeviceMesh]]:
     """(the data-parallel mesh, the tensor-parallel one or None).
 
@@ -232,8 +250,7 @@ class FSDPStrategy:
                    if tp_mesh is not None else None)
         blocks = prepare_blocks(model, cfg.blocks, cfg.activation_checkpointing, compile)  # before fully_shard
         self.mesh = mesh
-        policy = (MixedPrecisionPolicy(param_dtype=precision.param_dtype, reduce_dtype=torch.float32)
-                  if precision.param_dtype is not None else MixedPrecisionPolicy())
+        policy = mp_policy(precision)
         self.reshard = cfg.fsdp.reshard
         after_forward = self.reshard == "micro_batch"  # given explicitly, to the root too
         for block in blocks:
@@ -241,13 +258,7 @@ class FSDPStrategy:
         fully_shard(model, mesh=dmesh, reshard_after_forward=after_forward, mp_policy=policy)
         self.units: List[FSDPModule] = [m for m in model.modules() if isinstance(m, FSDPModule)]
         set_prefetch(blocks, cfg.fsdp.prefetch)
-        self.meter = PeakMeter(self.units)
-        self.counter = CommCounter(self.meter)
-        for unit in self.units:
-            unit.set_custom_all_gather(_CountingAllGather(self.counter))
-            unit.set_custom_reduce_scatter(_CountingReduceScatter(self.counter))
-            if mesh.replicate > 1:  # only hsdp all-reduces; on a 1-D mesh the hook would follow the reduce-scatter
-                unit.set_all_reduce_hook(self.counter.all_reduced)
+        self.meter, self.counter = count_units(self.units, mesh.replicate)
         if cfg.find_unused_parameters:
             # A parameter some rank did not use still takes part (with zeros) in the reduce-scatter.
             model.set_reduce_scatter_unused_params(True)

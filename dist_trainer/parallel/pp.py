@@ -10,8 +10,7 @@ Stages. The blocks (``dist.blocks``) are cut into ``size x stages_per_rank``
 stages, evenly (``dist.pp.split=auto``) or where the named blocks begin; the
 model's ``pp_first`` modules (the embedding) go with the first stage and its
 ``pp_last`` ones (final norm, head) with the last, which also computes the loss.
-A stage group holds stages ``r, r + pp, ...`` (loop placement), or ``r`` and
-``2 pp - 1 - r`` under the V schedule. Each rank keeps one copy of the model
+A stage group holds stages ``r, r + pp, ...`` (loop placement). Each rank keeps one copy of the model
 pruned to what its stages hold, with the parameter names of the whole model,
 so checkpoints move between meshes; each stage is a view of it (an FSDP root
 of its own). Weights tied across stages (the GPT's embedding and head) are
@@ -43,27 +42,24 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                          ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from ..checkpoint import load_shards
 from ..config import ConfigError, DistConfig, MeshShape
 from ..distributed import DistEnv
-from ..precision import Precision
+from ..optim import decay_split
+from ..precision import Precision, frozen_names
 from .blocks import find_blocks, prepare_blocks
-from ..checkpoint import load_shards
-from ..precision import frozen_names
-from .fsdp import checkpointed, CommCounter, FSDPStrategy, PeakMeter, ShardedWeights, _CountingAllGather, _CountingReduceScatter
+from .fsdp import FSDPStrategy, PeakMeter, ShardedWeights, checkpointed, count_units, mp_policy
 from .state import local_tensor, named_optimizer_state
 
 P2P_KEYS = ("p2p_sends", "p2p_send_bytes", "p2p_recvs", "p2p_recv_bytes")
 IGNORE_INDEX = -100
 
 
-def stage_indices(pp_rank: int, pp: int, per_rank: int, schedule: str) -> List[int]:
-    """The stages stage group ``pp_rank`` holds: ``r, r + pp, ...``; the V schedule ``r`` and ``2 pp - 1 - r``."""
-    if schedule == "zero_bubble" and per_rank == 2:
-        return [pp_rank, 2 * pp - 1 - pp_rank]
+def stage_indices(pp_rank: int, pp: int, per_rank: int) -> List[int]:
+    """The stages stage group ``pp_rank`` holds: ``r, r + pp, ...`` (the first on group 0, the last on pp - 1)."""
     return [pp_rank + k * pp for k in range(per_rank)]
 
 
@@ -183,12 +179,6 @@ def pp_bubble(schedule: str, pp: int, per_rank: int, accum: int) -> float:
 SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
 
-def schedule_class(schedule: str, per_rank: int) -> type:
-    if schedule == "zero_bubble":
-        return ScheduleZBVZeroBubble if per_rank == 2 else ScheduleInterleavedZeroBubble
-    return SCHEDULE_CLASSES[schedule]
-
-
 class PipelineStrategy(FSDPStrategy):
     """The stages of one stage group, each an FSDP2 root over its data-parallel ranks, run by a schedule.
 
@@ -213,20 +203,19 @@ class PipelineStrategy(FSDPStrategy):
         self.pp_group = root["pp"].get_group()
         self.pp_rank = mesh.pp_rank(env.rank)
         stages = pp * per_rank
-        self.stage_ids = stage_indices(self.pp_rank, pp, per_rank, schedule)
+        self.stage_ids = stage_indices(self.pp_rank, pp, per_rank)
         blocks = find_blocks(model, cfg.blocks)
         block_name = {id(m): n for n, m in model.named_modules()}
         names = [block_name[id(b)] for b in blocks]
         cuts = cut_stages(names, stages, cfg.pp.split,
                           f"dist.pp.size={pp} x dist.pp.stages_per_rank={per_rank}")
-        self.cuts = [[names[i] for i in cut] for cut in cuts]
-        # The whole model's parameter names in its optimizer's order (optim.build_optimizer's groups: matrices,
-        # then vectors), by which a ddp checkpoint's optimizer state is indexed.
-        trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.whole_names = [n for n, p in trained if p.ndim >= 2] + [n for n, p in trained if p.ndim < 2]
+        # The whole model's parameter names in its optimizer's order, by which a ddp checkpoint's optimizer
+        # state is indexed.
+        name_of = {p: n for n, p in model.named_parameters()}
+        self.whole_names = [name_of[p] for group in decay_split([p for p in name_of if p.requires_grad])
+                            for p in group]
         self.ties = untie_across(model, model.pp_first, model.pp_last)
         first, last = 0 in self.stage_ids, stages - 1 in self.stage_ids
-        self.counts_batch = last  # the last stage's ranks compute the loss: theirs count in the step's totals
         held = {i for s in self.stage_ids for i in cuts[s]}
         for i, name in enumerate(names):  # prune what this rank does not hold; names stay the whole model's
             if i not in held:
@@ -235,31 +224,16 @@ class PipelineStrategy(FSDPStrategy):
         for keep, parts in ((first, model.pp_first), (last, model.pp_last)):
             for part in parts if not keep else ():
                 delattr(model, part)
-        kept = {b for i, b in enumerate(blocks) if i in held}
-        prepare_blocks(model, cfg.blocks, cfg.activation_checkpointing, False)
+        held_blocks = prepare_blocks(model, cfg.blocks, cfg.activation_checkpointing, False)  # this rank's blocks
         self.views = [StageModule(model, s, [b for i, b in enumerate(blocks) if i in cuts[s]], s == 0,
                                   s == stages - 1) for s in self.stage_ids]
-        policy = (MixedPrecisionPolicy(param_dtype=precision.param_dtype, reduce_dtype=torch.float32)
-                  if precision.param_dtype is not None else MixedPrecisionPolicy())
-        self.reshard = cfg.fsdp.reshard
-        after_forward = self.reshard == "micro_batch"
-        for block in blocks:
-            if block in kept:
-                fully_shard(block, mesh=dmesh, reshard_after_forward=after_forward, mp_policy=policy)
-        for view in self.views:
-            fully_shard(view, mesh=dmesh, reshard_after_forward=after_forward, mp_policy=policy)
-        self.units: List[FSDPModule] = list({id(m): m for v in self.views for m in v.modules()
-                                             if isinstance(m, FSDPModule)}.values())
-        self.meter = PeakMeter(self.units)
-        self.counter = CommCounter(self.meter)
-        for unit in self.units:
-            unit.set_custom_all_gather(_CountingAllGather(self.counter))
-            unit.set_custom_reduce_scatter(_CountingReduceScatter(self.counter))
-            if mesh.replicate > 1:
-                unit.set_all_reduce_hook(self.counter.all_reduced)
+        policy = mp_policy(precision)
+        after_forward = cfg.fsdp.reshard == "micro_batch"  # a ConfigError under fsdp; shard groups of one gather nothing
+        for unit in [*held_blocks, *self.views]:  # each block in one stage; each stage a root over the rest
+            fully_shard(unit, mesh=dmesh, reshard_after_forward=after_forward, mp_policy=policy)
+        self.units: List[FSDPModule] = [m for v in self.views for m in v.modules() if isinstance(m, FSDPModule)]
+        self.meter, self.counter = count_units(self.units, mesh.replicate)
         self.model = self.module = model
-        self.tp = None
-        self.accum_sync = "last"
         self.weights = ShardedWeights(model)
         first_replica = mesh.data_rank(env.rank) < mesh.shard
         tied_copies = {b for _, b in self.ties}
@@ -268,22 +242,20 @@ class PipelineStrategy(FSDPStrategy):
                            if p.requires_grad}
         self._shares_cache = ((), None)
         self.tie_pairs = [(params.get(a), params.get(b)) for a, b in self.ties]
-        # Loop placement holds the last stage on the last stage group; the V schedule on the first, with the first.
-        v_shape = stage_indices(0, pp, per_rank, schedule)[-1] == stages - 1
-        self._tie_group = self._tie_groups(root) if self.ties and not v_shape else None
+        self._tie_group = self._tie_groups() if self.ties else None
         self.groups = [dist.group.WORLD, *dmesh.get_all_groups(), self.pp_group,
                        *([self._tie_group] if self._tie_group is not None else [])]
         self.counts: Dict[str, float] = {**dict.fromkeys(P2P_KEYS, 0), "compute_s": 0.0}
         self.schedule_name, self.per_rank, self.n_stages = schedule, per_rank, stages
         self.bubble: Optional[float] = None  # the predicted idle fraction, once the step's micro-batches are known
         self.schedule: Any = None  # built at the first step, from its micro-batches' shapes
-        self.micro_batch_size: Optional[int] = None  # rows of every micro-batch the stages take (the first's)
+        self.accum_steps = self.micro_batch_size = 0  # the shape of a window the stages take (the plan's)
         self.pp_idle_s = self.pp_schedule_s = 0.0  # this rank's idle and wall seconds in the last step's schedule
         self._losses: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self._loss_factor = 1.0
         self._comm_extra = {"allreduces": 0, "allreduce_bytes": 0}
 
-    def _tie_groups(self, root: Any) -> Optional[dist.ProcessGroup]:
+    def _tie_groups(self) -> Optional[dist.ProcessGroup]:
         """The group of the first and last stage's ranks at this rank's data-parallel position (every rank makes
         every group, in one order, as torch requires); None on ranks in neither."""
         pp, per = self.mesh.pp, self.mesh.stage_ranks
@@ -303,8 +275,9 @@ class PipelineStrategy(FSDPStrategy):
         self._losses.append((loss_sum.detach(), terms["num_items"].detach()))
         return loss_sum * self._loss_factor
 
-    def _build(self, inputs: torch.Tensor, targets: torch.Tensor, n: int) -> None:
-        mb, seq = inputs.shape[0] // n, inputs.shape[1]
+    def _build(self, seq: int) -> None:
+        """torch's stages (static shapes: micro-batch rows x ``seq`` tokens) and the schedule, at the first step."""
+        mb, n = self.micro_batch_size, self.accum_steps
         stream = self.precision.param_dtype or torch.float32
         width, vocab = self.model.n_embd, self.model.vocab_size  # the GPT's; declared with pp_first/pp_last
         # Gradients flow through the stream (requires_grad), not through token ids.
@@ -317,7 +290,7 @@ class PipelineStrategy(FSDPStrategy):
             out = meta(mb, seq, vocab) if s == self.n_stages - 1 else meta(mb, seq, width)
             stages.append(_CountingStage(view, s, self.n_stages, self.env.device, input_args=inp, output_args=out,
                                          group=self.pp_group, counts=self.counts, meter=self.meter))
-        cls = schedule_class(self.schedule_name, self.per_rank)
+        cls = SCHEDULE_CLASSES[self.schedule_name]
         self.bubble = pp_bubble(self.schedule_name, self.mesh.pp, self.per_rank, n)
         try:
             self.schedule = cls(stages[0] if self.per_rank == 1 else stages, n_microbatches=n, loss_fn=self._loss,
@@ -325,19 +298,18 @@ class PipelineStrategy(FSDPStrategy):
         except ValueError as err:  # validate() checks the known rules; torch's own say what else it needs
             raise ConfigError(f"dist.pp.schedule={self.schedule_name} with batch.accum_steps={n}: {err}") from err
 
-    def run_window(self, batches: List[Any], counted: List[bool], factor: float,
-                   autocast: Callable[[], Any]) -> Tuple[torch.Tensor, torch.Tensor]:
+    def run_window(self, batches: List[Any], counted: List[bool], factor: float, autocast: Callable[[], Any],
+                   accum_steps: int, micro_batch_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """One step's forward and backward over every micro-batch through the schedule; gradients reduced.
 
-        ``factor`` (scale / divisor) multiplies each micro-batch's summed loss. Returns the window's summed loss
-        and items on the last stage's ranks (zeros elsewhere), float64.
+        ``factor`` (scale / divisor) multiplies each micro-batch's summed loss; ``accum_steps`` and
+        ``micro_batch_size`` are the plan's (a full step's shape, also when this step is a short one). Returns
+        the window's summed loss and items on the last stage's ranks (zeros elsewhere), float64.
         """
         if self.schedule is None:
-            self.accum_steps = len(batches)  # every step's micro-batches: a full step's
-            self._build(*self._stack(batches, counted), len(batches))
-        missing = self.accum_steps - len(batches)  # a short last step may have fewer: placeholders fill it
-        batches, counted = list(batches) + [batches[-1]] * missing, list(counted) + [False] * missing
-        inputs, targets = self._stack(batches, counted)
+            self.accum_steps, self.micro_batch_size = accum_steps, micro_batch_size
+            self._build(batches[0]["input_ids"].shape[1])
+        inputs, targets = self._window(batches, counted)
         self._losses, self._loss_factor = [], factor
         began, compute0 = time.perf_counter(), self.counts["compute_s"]
         with autocast():
@@ -345,19 +317,21 @@ class PipelineStrategy(FSDPStrategy):
         self.pp_schedule_s = time.perf_counter() - began
         self.pp_idle_s = max(self.pp_schedule_s - (self.counts["compute_s"] - compute0), 0.0)
         self._sum_tied_grads()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
-        items = torch.zeros((), dtype=torch.float64, device=self.env.device)
-        for loss, n in self._losses:
-            loss_sum += loss.double()
-            items += n.double()
-        return loss_sum, items
+        return self._totals(self._losses)
 
-    def _stack(self, batches: List[Any], counted: List[bool]) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The micro-batches as one batch for the schedule to cut: each padded to the micro-batch size with
-        ignored rows (the stages' shapes are fixed; a short step's micro-batches are shorter), a placeholder's
-        targets all ignored. A row's loss depends on its own tokens only, so padding changes nothing."""
-        rows = self.micro_batch_size or max(b["input_ids"].shape[0] for b in batches)
-        self.micro_batch_size = rows
+    def _totals(self, losses: List[Tuple[torch.Tensor, torch.Tensor]]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The summed loss and items of the micro-batches the last stage recorded (zeros on other stages), float64."""
+        totals = torch.zeros(2, dtype=torch.float64, device=self.env.device)
+        for loss, items in losses:
+            totals += torch.stack([loss.double(), items.double()])
+        return totals[0], totals[1]
+
+    def _window(self, batches: List[Any], counted: List[bool]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """A full window as one batch for the schedule to cut: missing micro-batches (a short step's) run as
+        placeholders, with every target ignored; short ones are padded to the micro-batch size with ignored rows
+        (the stages' shapes are fixed). A row's loss depends on its own tokens only, so padding changes nothing."""
+        rows, missing = self.micro_batch_size, self.accum_steps - len(batches)
+        batches, counted = list(batches) + [batches[-1]] * missing, list(counted) + [False] * missing
         inputs, targets = [], []
         for b, keep in zip(batches, counted):
             ids, tgt = b["input_ids"][:rows], b["targets"][:rows]
@@ -375,14 +349,11 @@ class PipelineStrategy(FSDPStrategy):
         return (batch["targets"] != IGNORE_INDEX).sum().to(torch.float64)
 
     def _sum_tied_grads(self) -> None:
-        """Both copies of a weight tied across stages get the sum of their gradients (this rank's shards)."""
+        """Both copies of a weight tied across stages get the sum of their gradients (this rank's shards): the
+        first stage group holds one, the last the other."""
         for a, b in self.tie_pairs:
             mine = [p for p in (a, b) if p is not None and p.grad is not None]
-            if len(mine) == 2:  # both stages on this rank (the V schedule's first rank)
-                total = local_tensor(a.grad) + local_tensor(b.grad)
-                local_tensor(a.grad).copy_(total)
-                local_tensor(b.grad).copy_(total)
-            elif mine and self._tie_group is not None:
+            if mine:
                 grad = local_tensor(mine[0].grad)
                 self._comm_extra["allreduces"] += 1
                 self._comm_extra["allreduce_bytes"] += grad.numel() * grad.element_size()
@@ -401,23 +372,17 @@ class PipelineStrategy(FSDPStrategy):
             self.reshard_all()
 
     def eval_window(self, batches: List[Any], autocast: Callable[[], Any]) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Forward only over held-out micro-batches, ``accum_steps`` at a time through the schedule (the last
-        group filled with placeholders). The summed loss and items on the last stage's ranks, zeros elsewhere."""
-        n = self.schedule._n_microbatches
-        zero = torch.zeros((), dtype=torch.float64, device=self.env.device)
-        loss_sum, items = zero.clone(), zero.clone()
-        for start in range(0, len(batches), n):
-            group = batches[start:start + n]
-            counted = [True] * len(group) + [False] * (n - len(group))
-            group = group + [group[-1]] * (n - len(group))
-            inputs, targets = self._stack(group, counted)
+        """Forward only over held-out micro-batches, ``accum_steps`` at a time through the schedule (after the
+        first step, which built it). The summed loss and items on the last stage's ranks, zeros elsewhere."""
+        losses: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        for start in range(0, len(batches), self.accum_steps):
+            group = batches[start:start + self.accum_steps]
+            inputs, targets = self._window(group, [True] * len(group))
             self._losses, self._loss_factor = [], 1.0
             with autocast():
                 self.schedule.eval(inputs, target=targets)
-            for loss, count in self._losses:
-                loss_sum += loss.double()
-                items += count.double()
-        return loss_sum, items
+            losses += self._losses
+        return self._totals(losses)
 
     def comm(self) -> Dict[str, int]:
         counts = dict(self.counter.counts)
@@ -431,7 +396,7 @@ class PipelineStrategy(FSDPStrategy):
         """Every rank calls it; rank 0 gets the whole FP32 state dict (every stage's), the others an empty one."""
         state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
         mine = {k: (v.float() if v.is_floating_point() else v).detach().cpu().clone() for k, v in state.items()}
-        send = mine if self.mesh.data_rank(self.env.rank) == 0 and self.env.rank % self.mesh.tp == 0 else None
+        send = mine if self.mesh.data_rank(self.env.rank) == 0 else None  # one rank of each stage group
         gathered: List[Any] = [None] * self.env.world_size if self.env.rank == 0 else None
         dist.gather_object(send, gathered, dst=0)
         if self.env.rank != 0:
@@ -448,10 +413,6 @@ class PipelineStrategy(FSDPStrategy):
         model gives it), where this rank does not hold that name itself."""
         held = {n for n, _ in self.module.named_parameters()}
         return {b: a for a, b in self.ties if a not in held}
-
-    def _groups(self, current: List[Dict[str, Any]], saved: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-        """This rank's parameter names in each group, with the saved hyperparameters."""
-        return [{**s, "params": c["params"]} for c, s in zip(current, saved)]
 
     def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         model, optim = get_state_dict(self.module, optimizer, options=checkpointed(self.module))
@@ -473,15 +434,14 @@ class PipelineStrategy(FSDPStrategy):
             state = {"model": model, "optim": {alias.get(k, k): v for k, v in optim["state"].items()}}
             load_shards(state, shards)
             model, loaded = state["model"], {back.get(k, k): v for k, v in state["optim"].items()}
-            groups = self._groups(optim["param_groups"], saved["param_groups"])
-        else:  # a ddp checkpoint: whole FP32 tensors, the optimizer's state by the whole model's parameter order
-            model = {k: saved["model"][alias.get(k, k) if k not in saved["model"] else k] for k in model}
+            saved_groups, options = saved["param_groups"], checkpointed(self.module)
+        else:  # a ddp checkpoint: whole FP32 tensors (a tied weight under each of its names), the optimizer's
+            # state by the whole model's parameter order
+            model = {k: saved["model"][k] for k in model}
             named = named_optimizer_state(saved["optimizer"], self.whole_names)
             loaded = {k: named["state"][alias.get(k, k)] for k in optim["state"] if alias.get(k, k) in named["state"]}
-            groups = self._groups(optim["param_groups"], named["param_groups"])
+            saved_groups = named["param_groups"]
             options = StateDictOptions(full_state_dict=True, strict=not frozen_names(self.module))
-            set_state_dict(self.module, optimizer, model_state_dict=model,
-                           optim_state_dict={"state": loaded, "param_groups": groups}, options=options)
-            return
+        groups = [{**s, "params": c["params"]} for c, s in zip(optim["param_groups"], saved_groups)]  # ours, their lr
         set_state_dict(self.module, optimizer, model_state_dict=model,
-                       optim_state_dict={"state": loaded, "param_groups": groups}, options=checkpointed(self.module))
+                       optim_state_dict={"state": loaded, "param_groups": groups}, options=options)
