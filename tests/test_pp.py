@@ -16,9 +16,7 @@ token counts differ by 4x or more), so a mean of micro-batch means, or the sched
 from __future__ import annotations
 
 import dataclasses
-import json
-import subprocess
-import sys
+import shutil
 from pathlib import Path
 
 import pytest
@@ -28,6 +26,7 @@ from torch.utils.data import Subset
 from dist_trainer.config import ConfigError, validate
 from helpers import assert_all_close_scaled
 from test_accumulation import GLOBAL, in_one_process, launch_clean, unbalanced_text
+from test_checkpoint import assert_bit_identical, ckpt, final_params, metrics, run_all
 from test_hsdp import STEPS, _gpt, _job, _worker
 
 LAYERS = 4  # 4 stages at most: pp 2 x 2 stages per rank
@@ -212,34 +211,28 @@ COMMON = ["trainer.max_steps=4", "trainer.eval_every=2", "trainer.ckpt_every=2",
           "data.block_size=32", "model.block_size=32"]
 
 
-def _run(run_dir: Path, ranks: int, *overrides: str) -> list:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-           "-m", "dist_trainer", *COMMON, f"hydra.run.dir={run_dir}", *overrides]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _resume(src: Path, dst: Path, step: str) -> None:
-    (dst / "checkpoints").mkdir(parents=True)
-    subprocess.run(["cp", "-r", str(src / "checkpoints" / step), str(dst / "checkpoints")], check=True)
+def _jobs(root: Path, runs: list) -> None:
+    """(run directory name, ranks, overrides) as real torchrun jobs, all at once (test_checkpoint's run_all)."""
+    results = run_all([(COMMON + [f"hydra.run.dir={root / name}", *extra], ranks) for name, ranks, extra in runs],
+                      root, timeout=300)
+    for result in results:
+        assert result.returncode == 0, result.output[-3000:]
 
 
 @pytest.mark.slow
 def test_pp_checkpoints_resume_across_pp_degrees(tmp_path):
-    one = _run(tmp_path / "one", 1)
-    pp = _run(tmp_path / "pp", 2, "dist.pp.size=2")
+    _jobs(tmp_path, [("one", 1, []), ("pp", 2, ["dist.pp.size=2"])])
+    one, pp = metrics(tmp_path / "one"), metrics(tmp_path / "pp")
     assert [r["loss"] for r in pp] == pytest.approx([r["loss"] for r in one], rel=1e-5)
     assert pp[-1]["eval_loss"] == pytest.approx(one[-1]["eval_loss"], rel=1e-5)
     assert pp[0]["pp_bubble"] == pytest.approx(1 / 5) and len(pp[0]["pp_idle_s"]) == 2
-    for name, src, ranks, extra in (("pp_same", "pp", 2, ["dist.pp.size=2"]), ("pp_to_one", "pp", 1, []),
-                                    ("one_to_pp", "one", 2, ["dist.pp.size=2"])):
-        _resume(tmp_path / src, tmp_path / name, "step_00000002")
-        _run(tmp_path / name, ranks, *extra)
-    whole = torch.load(tmp_path / "one" / "final_model.pt")
-    same = torch.load(tmp_path / "pp_same" / "final_model.pt")
-    mine = torch.load(tmp_path / "pp" / "final_model.pt")
+    resumes = (("pp_same", "pp", 2, ["dist.pp.size=2"]), ("pp_to_one", "pp", 1, []),
+               ("one_to_pp", "one", 2, ["dist.pp.size=2"]))
+    for name, src, _, _ in resumes:  # each resumes from its source's step-2 checkpoint
+        shutil.copytree(ckpt(tmp_path / src, 2), ckpt(tmp_path / name, 2))
+    _jobs(tmp_path, [(name, ranks, extra) for name, _, ranks, extra in resumes])
+    whole, mine = final_params(tmp_path / "one"), final_params(tmp_path / "pp")
     assert set(mine) == set(whole)  # exported whole: every stage's tensors, the tied head too
-    assert all(torch.equal(mine[k], same[k]) for k in mine), "pp 2 resumed on pp 2 is bit-identical"
+    assert_bit_identical(tmp_path / "pp_same", tmp_path / "pp")  # pp 2 resumed on pp 2
     for name in ("pp", "pp_to_one", "one_to_pp"):
-        assert_all_close_scaled(torch.load(tmp_path / name / "final_model.pt"), whole, name)
+        assert_all_close_scaled(final_params(tmp_path / name), whole, name)
