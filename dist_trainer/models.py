@@ -202,6 +202,15 @@ class GPT(nn.Module):
             x = block(x)
         return self.head(self.ln_f(x))
 
+    def stage_dims(self) -> tuple[int, int]:
+        """The stream's width and the logits' width (the vocabulary)."""
+        return self.n_embd, self.vocab_size
+
+    @staticmethod
+    def stage_targets(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The next token each position predicts, as the last stage's loss takes them."""
+        return batch["targets"]
+
     def stage_forward(self, x: torch.Tensor, blocks: list, first: bool, last: bool) -> torch.Tensor:
         """One pipeline stage: token ids (``first``) or the stream in; the stream or (``last``) logits out."""
         if first:

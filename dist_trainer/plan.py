@@ -196,7 +196,9 @@ def pp_expected(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
     mesh, accum = plan.mesh, plan.accum_steps
     S, stages = mesh.shard, mesh.pp * cfg.dist.pp.stages_per_rank
     stream = (precision.param_dtype or torch.float32).itemsize
-    activation = _micro_batch_tokens(cfg, plan, model) * model.n_embd * stream
+    # The stages' fixed shape: micro-batch rows x the model's block_size (shorter sequences padded to it).
+    tokens = plan.micro_batch_size * (getattr(model, "block_size", None) or cfg.data.get("block_size") or 1)
+    activation = tokens * model.stage_dims()[0] * stream
     tied = _tied_across(model)
     out = []
     for g in pp_stage_groups(cfg, model):

@@ -184,19 +184,31 @@ class FaultyGPT(_GPT):
         self.gate_call, self.gate_file, self.gate_rank = gate_call, gate_file, gate_rank
         self.train_calls = 0
 
-    def forward(self, batch):
-        if not self.training:
-            return super().forward(batch)
+    def _count_and_gate(self) -> bool:
+        """Counts a training call, waits at the gate if it is this one; whether this call's loss is NaN."""
         self.train_calls += 1
         rank = int(os.environ.get("RANK", "0"))
         if self.train_calls == self.gate_call and self.gate_rank in (None, rank) and not os.path.exists(self.gate_file):
             Path(f"{self.gate_file}.waiting").touch()
             while not os.path.exists(self.gate_file):
                 _time.sleep(0.01)
+        return self.train_calls in self.nan_calls and self.nan_rank in (None, rank)
+
+    def forward(self, batch):
+        if not self.training:
+            return super().forward(batch)
+        nan = self._count_and_gate()
         out = super().forward(batch)
-        if self.train_calls in self.nan_calls and self.nan_rank in (None, rank):
-            out = {**out, "loss_sum": out["loss_sum"] * float("nan")}
-        return out
+        return {**out, "loss_sum": out["loss_sum"] * float("nan")} if nan else out
+
+    def stage_forward(self, x, blocks, first, last):
+        """Under dist.pp.size > 1: each of this rank's stage forwards is a training call (one stage a rank:
+        call ``accum_steps x (s - 1) + 1`` is step s's first micro-batch); a NaN call's output is NaN."""
+        if not self.training:
+            return super().stage_forward(x, blocks, first, last)
+        nan = self._count_and_gate()
+        out = super().stage_forward(x, blocks, first, last)
+        return out * float("nan") if nan else out
 
 
 # ------------------------------------------------- hang and straggler tests (test_hang.py)

@@ -206,7 +206,10 @@ def _train_worker(rank: int, world: int, text: str, root: str) -> dict:
                              precision="bf16-master", ac=True),
         "bert": config(masked_model(), hf_text_data(text, root / "cache", "masked_lm"), 8, steps=12,
                        optim=OptimConfig(**{**vars(adamw), "lr": 1e-2})),
+        "llama-pp": config(causal_model("llama", LLAMA, tokenizer="bytes", block_size=32),
+                           hf_text_data(text, root / "cache", "causal_lm"), 8, steps=12, optim=adamw),
     }
+    runs["llama-pp"].dist.pp.size = 2  # its two decoder layers in two pipeline stages, one a rank
     for name, cfg in runs.items():
         cfg.trainer.ckpt_every = 12
         train(cfg, root / name)
@@ -221,8 +224,8 @@ def trained(text, tmp_path_factory):
     return root
 
 
-@pytest.mark.slow  # three 2-rank runs to the end: about 40 s
-@pytest.mark.parametrize("name", ["gpt2", "llama-fsdp", "bert"])
+@pytest.mark.slow  # four 2-rank runs to the end: about 50 s
+@pytest.mark.parametrize("name", ["gpt2", "llama-fsdp", "bert", "llama-pp"])
 def test_models_train_on_two_ranks_and_export_to_hugging_face(trained, name, tmp_path):
     import transformers
 

@@ -9,7 +9,10 @@ token counts differ by 4x or more), so a mean of micro-batch means, or the sched
   missing micro-batches run as placeholders); the tied embedding and head take the same update;
 * the plan: each stage group's sends, receives and collectives of step 1 and of a full step equal
   plan.json's exactly; state_mb and step_peak_state_mb as predicted; metrics carry the idle time;
-* checkpoints: pp 2 resumes bit-identically on pp 2, and within SCALE_TOL on one process, and back;
+* fp16-master: an inf in one stage's gradients skips the step on every stage (lr held, scale backed off);
+* checkpoints: pp 2 resumes bit-identically on pp 2, and within SCALE_TOL on one process, and back; a
+  signal to the last stage's rank during a step stops both stages after that step, and the resume is
+  bit-identical to a run never stopped;
 * what is not supported is a ConfigError naming the keys.
 """
 
@@ -24,6 +27,7 @@ import torch
 from torch.utils.data import Subset
 
 from dist_trainer.config import ConfigError, validate
+from dist_trainer.models import GPT
 from helpers import assert_all_close_scaled
 from test_accumulation import GLOBAL, in_one_process, launch_clean, unbalanced_text
 from test_checkpoint import assert_bit_identical, ckpt, final_params, metrics, run_all
@@ -49,6 +53,21 @@ def _model(micro: int, glob: int = GLOBAL):
     return _gpt(micro, glob, n_layer=LAYERS)
 
 
+def _hf(model_type: str, micro: int, glob: int = GLOBAL, **config):
+    """A transformers decoder of LAYERS layers: llama (its head apart), qwen2 (its head tied to the embedding)."""
+    from test_hf_models import LLAMA, causal_model
+
+    cfg = _model(micro, glob)
+    cfg.model = causal_model(model_type, {**LLAMA, "num_hidden_layers": LAYERS, "vocab_size": 256, **config})
+    return cfg
+
+
+def _longer(cfg):
+    """The model's block_size 32 over the data's 24 tokens: the stages' shape is 32, each row padded."""
+    cfg.model = {**cfg.model, "block_size": 32}
+    return cfg
+
+
 def _clip(cfg):
     cfg.optim.grad_clip = 0.05  # below the gradients' norm: clipping acts on every step
     return cfg
@@ -57,6 +76,49 @@ def _clip(cfg):
 def _end(micro: int):
     cfg = _model(micro)
     cfg.data = {**cfg.data, "_target_": "test_pp.short_text"}
+    return cfg
+
+
+class _InfGrad(torch.autograd.Function):
+    """Identity whose backward puts inf into element 0 of the gradient once, on one rank."""
+
+    armed = {"rank": None, "call": None, "calls": 0}
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        state = _InfGrad.armed
+        state["calls"] += 1
+        if torch.distributed.get_rank() == state["rank"] and state["calls"] == state["call"]:
+            grad = grad.clone()
+            grad.view(-1)[0] = float("inf")
+        return grad
+
+
+class InfGPT(GPT):
+    """The GPT whose last stage's final-norm weight gets an inf gradient at one backward of one rank.
+
+    Only ``ln_f.weight``'s gradient (element 0) becomes inf: the stream's gradient sent back to the
+    first stage, and so every gradient of the other stage group, stays finite.
+    """
+
+    def __init__(self, *args, inf_rank: int = 1, inf_call: int = 5, **kwargs):
+        super().__init__(*args, **kwargs)
+        _InfGrad.armed.update(rank=inf_rank, call=inf_call, calls=0)
+
+    def stage_forward(self, x, blocks, first, last):
+        out = super().stage_forward(x, blocks, first, last)
+        return out + 0 * _InfGrad.apply(self.ln_f.weight).sum() if last and self.training else out
+
+
+def _overflow():
+    cfg = _pp(_model(8))  # 1 data rank x micro 8 x accum 4: rank 1's backward 5 is step 2's first
+    cfg.model = {**cfg.model, "_target_": "test_pp.InfGPT", "inf_rank": 1, "inf_call": 5}
+    cfg.precision.name = "fp16-master"
+    cfg.precision.loss_scale.init_scale = 1024.0
     return cfg
 
 
@@ -74,7 +136,11 @@ def _jobs2() -> list:
     master.precision.name = "bf16-master"
     ac = _pp(_model(8))
     ac.dist.activation_checkpointing = True
-    jobs += [("plan/bf16-mixed", mixed, 2), ("plan/bf16-master", master, 2), ("plan/ac", ac, 2)]
+    jobs += [("plan/bf16-mixed", mixed, 2), ("plan/bf16-master", master, 2), ("plan/ac", ac, 2),
+             ("overflow", _overflow(), STEPS),
+             ("llama", _clip(_pp(_hf("llama", 8))), STEPS),
+             ("qwen2", _pp(_hf("qwen2", 8, tie_word_embeddings=True), schedule="interleaved_1f1b", per_rank=2), STEPS),
+             ("plan/llama", _pp(_hf("llama", 8)), 2), ("llama/padded", _pp(_longer(_hf("llama", 8))), STEPS)]
     return jobs
 
 
@@ -97,11 +163,17 @@ def pp4(tmp_path_factory):
 def refs():
     """One process, one big batch of 32 (K = 1)."""
     return in_one_process(_worker, [("ref", _model(GLOBAL), STEPS), ("clip", _clip(_model(GLOBAL)), STEPS),
-                                    ("end", _end(GLOBAL), STEPS)])
+                                    ("end", _end(GLOBAL), STEPS), ("llama", _clip(_hf("llama", GLOBAL)), STEPS),
+                                    ("qwen2", _hf("qwen2", GLOBAL, tie_word_embeddings=True), STEPS),
+                                    ("llama/padded", _longer(_hf("llama", GLOBAL)), STEPS)])
 
 
-def _whole(name: str) -> str:
-    return "tok_emb.weight" if name == "head.weight" else name  # one process ties the head to the embedding
+TIED = {"head.weight": "tok_emb.weight", "model.lm_head.weight": "model.model.embed_tokens.weight"}
+
+
+def _whole(name: str, want: dict) -> str:
+    """The name one process gives a stage's tensor: a tied head is its embedding there."""
+    return TIED.get(name, name) if name not in want else name
 
 
 def _assert_stage_run(got: dict, want: dict, what: str) -> None:
@@ -110,7 +182,7 @@ def _assert_stage_run(got: dict, want: dict, what: str) -> None:
         assert got["outcomes"][step]["loss"] == pytest.approx(want["outcomes"][step]["loss"], rel=1e-5), what
         for key in ("grads", "params"):
             mine = got[key][step]
-            theirs = {n: want[key][step][_whole(n)] for n in mine}
+            theirs = {n: want[key][step][_whole(n, want[key][step])] for n in mine}
             floor_of = {**want[key][step], **theirs}  # the floor is the whole model's largest tensor
             assert_all_close_scaled({**floor_of, **mine}, floor_of, f"{what} {key} step {step + 1}")
 
@@ -120,6 +192,15 @@ def test_pp2_schedules_equal_one_big_batch(pp2, refs, schedule, per_rank, k):
     for rank in range(2):
         _assert_stage_run(_job(pp2, f"{schedule}/v{per_rank}/k{k}", rank), refs["clip"],
                           f"pp 2 {schedule} x{per_rank} K={k} rank {rank}")
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "llama/padded"])
+def test_pp2_transformers_decoders_equal_one_big_batch(pp2, refs, model_type):
+    names = [set(_job(pp2, model_type, r)["params"][0]) for r in range(2)]
+    assert "model.model.embed_tokens.weight" in names[0] and "model.model.norm.weight" in names[1]
+    assert "model.lm_head.weight" in names[1]
+    for rank in range(2):
+        _assert_stage_run(_job(pp2, model_type, rank), refs[model_type], f"pp 2 {model_type} rank {rank}")
 
 
 def test_pp2_short_last_step_runs_placeholders(pp2, refs):
@@ -153,8 +234,21 @@ def _assert_plan(run: dict, rank: int, groups: int) -> None:
     assert len(full["pp_idle_times"]) == run["plan_from_model"]["world_size"]
 
 
+def test_pp2_fp16_overflow_on_one_stage_skips_on_every_stage(pp2):
+    runs = [_job(pp2, "overflow", r) for r in range(2)]
+    for run in runs:
+        assert [o["skipped"] for o in run["outcomes"]] == [False, True, False]
+        assert run["outcomes"][2]["lr"] == run["outcomes"][1]["lr"]  # the schedule held
+        assert run["scale"] < run["outcomes"][0]["loss_scale"]  # backed off
+        for name, value in run["params"][0].items():
+            assert torch.equal(run["params"][1][name], value), name  # nothing moved at the skipped step
+        assert any(not torch.equal(run["params"][2][n], v) for n, v in run["params"][1].items())  # the next moved
+    # the inf is in the last stage's gradients alone: the first stage's stay finite, and it skips too
+    assert [run["local_finite"][1] for run in runs] == [True, False]
+
+
 @pytest.mark.parametrize("job", ["1f1b/v1/k4", "gpipe/v1/k8", "interleaved_1f1b/v2/k8", "plan/bf16-mixed",
-                                 "plan/bf16-master", "plan/ac"])
+                                 "plan/bf16-master", "plan/ac", "plan/llama", "qwen2"])
 def test_pp2_collectives_equal_the_plan(pp2, job):
     for rank in range(2):
         _assert_plan(_job(pp2, job, rank), rank, 1)
@@ -236,3 +330,44 @@ def test_pp_checkpoints_resume_across_pp_degrees(tmp_path):
     assert_bit_identical(tmp_path / "pp_same", tmp_path / "pp")  # pp 2 resumed on pp 2
     for name in ("pp", "pp_to_one", "one_to_pp"):
         assert_all_close_scaled(final_params(tmp_path / name), whole, name)
+
+
+GATE_STEP = 3  # accum 4, one stage a rank: rank 1's stage forward 4 x (3 - 1) + 1 is step 3's first micro-batch
+
+
+@pytest.mark.slow
+def test_pp_a_signal_during_a_step_stops_every_stage_after_it_and_the_resume_is_bit_identical(tmp_path):
+    import os
+    import re
+    import signal
+    import time
+
+    from dist_trainer.checkpoint import verify
+    from dist_trainer.signals import EXIT_REQUEUE
+    from test_checkpoint import FAULTY, Job, assert_same_metrics, gated, resumed_from, run, steps_done, wait_for
+
+    pp = COMMON + FAULTY + ["trainer.max_steps=8", "trainer.eval_every=0", "dist.pp.size=2"]
+    ref_dir, run_dir, gate = tmp_path / "ref", tmp_path / "stopped", tmp_path / "gate"
+    with Job(pp + [f"hydra.run.dir={ref_dir}"], tmp_path, 2) as ref, \
+            Job(pp + gated(gate, 4 * (GATE_STEP - 1) + 1, rank=1) + [f"hydra.run.dir={run_dir}"], tmp_path, 2,
+                torchrun_args=["--signals-to-handle=SIGTERM,SIGUSR1"]) as job:
+        wait_for(lambda: Path(f"{gate}.waiting").exists(), job, 120, f"rank 1 (the last stage) in step {GATE_STEP}")
+        # To the last stage's rank only, inside the step's schedule; the first stage learns of it through the
+        # step's all-reduce.
+        os.kill(job.workers()[1], signal.SIGUSR1)
+        time.sleep(0.2)
+        assert steps_done(run_dir) == GATE_STEP - 1
+        gate.touch()
+        code, output = job.wait(150), job.output()
+        assert ref.wait(150) == 0, ref.output()[-4000:]
+    assert code != 0 and re.search(rf"exitcode\s*:\s*{EXIT_REQUEUE}\b", output), output[-4000:]
+    for rank in (0, 1):  # both stages stopped after the step the signal arrived in
+        assert f"step {GATE_STEP}: stop requested by a signal" in (run_dir / f"rank{rank}.log").read_text()
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, GATE_STEP + 1))
+    assert verify(ckpt(run_dir, GATE_STEP)) is None
+
+    resumed = run(pp + [f"hydra.run.dir={run_dir}"], tmp_path, nproc=2)
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    assert resumed_from(resumed.output) == str(ckpt(run_dir, GATE_STEP))
+    assert_same_metrics(run_dir, ref_dir, 8)
+    assert_bit_identical(run_dir, ref_dir)

@@ -56,6 +56,61 @@ class HFModel(nn.Module):
         counts = {name: sum(type(m).__name__ == name for m in model.modules()) for name in declared}
         self._no_split_modules = [name for name in declared if counts[name] > 1]
         self._call_kwargs = {"use_cache": False} if task == "causal_lm" else {}
+        self._stage_parts = _decoder_parts(model) if task == "causal_lm" else None
+
+    # -- pipeline stages (dist.pp.size > 1): decoders laid out as Llama's (llama, qwen2, mistral, ...) -----------
+    # The base model's embed_tokens go with the first stage, its norm and the lm_head with the last; its
+    # rotary embedding (buffers only) stays on every rank. A model of another layout does not declare them.
+
+    @property
+    def pp_first(self) -> tuple:
+        if self._stage_parts is None:
+            raise AttributeError("pp_first: not a decoder laid out as Llama's")
+        return self._stage_parts["first"]
+
+    @property
+    def pp_last(self) -> tuple:
+        if self._stage_parts is None:
+            raise AttributeError("pp_last: not a decoder laid out as Llama's")
+        return self._stage_parts["last"]
+
+    def stage_dims(self) -> tuple:
+        """The stream's width and the logits' width (the vocabulary)."""
+        return self.model.config.hidden_size, self.model.config.vocab_size
+
+    def stage_targets(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The next token each position predicts (-100: none), aligned with the positions, as the last stage's
+        loss takes them: ``targets`` as they are, else the labels shifted by one."""
+        if "targets" in batch:
+            return batch["targets"]
+        labels = self._labels(batch)
+        return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
+
+    def stage_forward(self, x: torch.Tensor, blocks: list, first: bool, last: bool,
+                      side: Optional[Mapping[str, torch.Tensor]] = None) -> torch.Tensor:
+        """One stage: token ids (``first``) or the stream in; the stream or (``last``) logits out. ``side``: the
+        micro-batch's ``attention_mask`` and ``position_ids`` (every stage's rank reads its own copy of the
+        batch), so that padded and packed sequences mask and rotate in every stage as in the whole model."""
+        base = getattr(self.model, self.model.base_model_prefix)
+        side = side or {}
+        if first:
+            x = base.embed_tokens(x)
+        positions = side.get("position_ids")
+        if positions is None:
+            positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        masks = _stage_masks(base.config, x, side.get("attention_mask"), positions)
+        rotary = base.rotary_emb(x, positions)
+        types = getattr(base.config, "layer_types", None)
+        for block in blocks:
+            index = block.self_attn.layer_idx
+            out = block(x, attention_mask=masks[types[index] if types else "full_attention"],
+                        position_ids=positions, position_embeddings=rotary, use_cache=False)
+            x = out[0] if isinstance(out, tuple) else out
+        return self.model.lm_head(base.norm(x)) if last else x
+
+    @staticmethod
+    def loss_terms(logits: torch.Tensor, targets: torch.Tensor) -> Dict[str, torch.Tensor]:
+        return token_loss(logits, targets)
 
     def forward(self, batch: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         inputs = {key: batch[key] for key in MODEL_INPUTS if key in batch}
@@ -110,6 +165,45 @@ class HFModel(nn.Module):
         weights = self.model.num_parameters(exclude_embeddings=True)
         layers, width = getattr(cfg, "num_hidden_layers", 0), getattr(cfg, "hidden_size", 0)
         return 6.0 * weights + 12.0 * layers * width * (self.block_size or 0)
+
+
+def _decoder_parts(model: nn.Module) -> Optional[Dict[str, tuple]]:
+    """The first and last stage's modules of a decoder laid out as Llama's (embed_tokens, layers whose attention
+    knows its layer index, norm, rotary_emb; lm_head), under HFModel's names; None for another layout."""
+    prefix = getattr(model, "base_model_prefix", None)
+    base = getattr(model, prefix, None) if prefix else None
+    if base is None or hasattr(model, "peft_config") or not hasattr(model, "lm_head"):
+        return None
+    if not all(hasattr(base, part) for part in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return None
+    if not all(hasattr(getattr(layer, "self_attn", None), "layer_idx") for layer in base.layers):
+        return None
+    return {"first": (f"model.{prefix}.embed_tokens",), "last": (f"model.{prefix}.norm", "model.lm_head")}
+
+
+def _stage_masks(config: Any, stream: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                 positions: torch.Tensor) -> Dict[str, Any]:
+    """The attention masks the whole model builds for its layers (``full_attention``, and ``sliding_attention``
+    where the configuration has such layers), from the stage's stream, mask and positions."""
+    import inspect
+
+    from transformers import masking_utils
+
+    def build(fn: Any) -> Any:
+        params = inspect.signature(fn).parameters
+        kwargs = {"config": config, "attention_mask": attention_mask, "position_ids": positions,
+                  ("inputs_embeds" if "inputs_embeds" in params else "input_embeds"): stream}
+        for name in ("cache", "past_key_values"):  # the cache's name differs between transformers releases
+            if name in params:
+                kwargs[name] = None
+        if "cache_position" in params:
+            kwargs["cache_position"] = torch.arange(stream.shape[1], device=stream.device)
+        return fn(**kwargs)
+
+    masks = {"full_attention": build(masking_utils.create_causal_mask)}
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        masks["sliding_attention"] = build(masking_utils.create_sliding_window_causal_mask)
+    return masks
 
 
 def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> Dict[str, torch.Tensor]:

@@ -55,6 +55,9 @@ from .fsdp import FSDPStrategy, PeakMeter, ShardedWeights, checkpointed, count_u
 from .state import local_tensor, named_optimizer_state
 
 P2P_KEYS = ("p2p_sends", "p2p_send_bytes", "p2p_recvs", "p2p_recv_bytes")
+# What a model declares to be cut into stages (models.GPT; hf.models.HFModel for decoders laid out as Llama's).
+STAGE_API = ("pp_first", "pp_last", "stage_dims", "stage_targets", "stage_forward", "loss_terms")
+SIDE_INPUTS = ("attention_mask", "position_ids")  # per micro-batch, read by every stage from its own batch
 IGNORE_INDEX = -100
 
 
@@ -121,9 +124,13 @@ class StageModule(nn.Module):
         self.held = nn.ModuleList(held)
         self._blocks = list(blocks)
         object.__setattr__(self, "_model", model)  # not a child: its names are the model's, not the view's
+        # The micro-batch the schedule runs (set by the stage before each forward) and the window's side inputs
+        # (attention masks, position ids: each stage's rank reads them from its own copy of the batch).
+        self.chunk, self.side = 0, []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._model.stage_forward(x, self._blocks, self.first, self.last)
+        side = self.side[self.chunk] if self.side else None
+        return self._model.stage_forward(x, self._blocks, self.first, self.last, **({"side": side} if side else {}))
 
 
 class _CountingStage(PipelineStage):
@@ -159,14 +166,43 @@ class _CountingStage(PipelineStage):
             self.counts["compute_s"] += time.perf_counter() - began
             self.meter.sample()  # what FSDP holds unsharded after each forward and backward (until state_mb's step)
 
-    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        return self._timed(lambda: super(_CountingStage, self).forward_one_chunk(*args, **kwargs))
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        self.submod.chunk = fwd_chunk_id  # the micro-batch whose side inputs the stage's forward takes
+        return self._timed(lambda: super(_CountingStage, self).forward_one_chunk(fwd_chunk_id, *args, **kwargs))
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         return self._timed(lambda: super(_CountingStage, self).backward_one_chunk(*args, **kwargs))
 
     def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         return self._timed(lambda: super(_CountingStage, self).backward_weight_one_chunk(*args, **kwargs))
+
+
+def _pad(ids: torch.Tensor, targets: torch.Tensor, side: Dict[str, torch.Tensor], rows: int,
+         seq: int) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]:
+    """A micro-batch padded to the stages' fixed shape, ``rows`` x ``seq``, with every added target ignored.
+
+    Added positions come after a row's own (attention is causal: they change nothing before them) and
+    are masked out where the batch has an attention mask; added rows are token 0, attending causally at
+    positions 0, 1, ... A row's loss depends on its own tokens only, so padding changes no number."""
+    if ids.shape[1] > seq:
+        raise ConfigError(f"a micro-batch of {ids.shape[1]} tokens a row is longer than the pipeline stages' "
+                          f"{seq} (the model's block_size): set data.block_size <= model.block_size")
+    def added(v: torch.Tensor, key: str, shape: Tuple[int, int], mask: int) -> torch.Tensor:
+        if key == "position_ids":  # a segment of its own
+            return torch.arange(shape[1], dtype=v.dtype).expand(*shape)
+        return v.new_full(shape, mask)  # the attention mask: added positions masked, added rows attending
+
+    extra = seq - ids.shape[1]
+    if extra:
+        ids = torch.cat([ids, ids.new_zeros((ids.shape[0], extra))], 1)
+        targets = torch.cat([targets, targets.new_full((targets.shape[0], extra), IGNORE_INDEX)], 1)
+        side = {k: torch.cat([v, added(v, k, (v.shape[0], extra), 0)], 1) for k, v in side.items()}
+    short = rows - ids.shape[0]
+    if short:
+        ids = torch.cat([ids, ids.new_zeros((short, seq))])
+        targets = torch.cat([targets, targets.new_full((short, seq), IGNORE_INDEX)])
+        side = {k: torch.cat([v, added(v, k, (short, seq), 1)]) for k, v in side.items()}
+    return ids, targets, side
 
 
 def pp_bubble(schedule: str, pp: int, per_rank: int, accum: int) -> float:
@@ -191,10 +227,11 @@ class PipelineStrategy(FSDPStrategy):
     def __init__(self, model: nn.Module, env: DistEnv, cfg: DistConfig, mesh: MeshShape, precision: Precision,
                  compile: bool = False):
         pp, per_rank, schedule = mesh.pp, cfg.pp.stages_per_rank, cfg.pp.schedule
-        if not all(hasattr(model, a) for a in ("pp_first", "pp_last", "stage_forward", "loss_terms")):
-            raise ConfigError(f"dist.pp.size={pp}: the model {type(model).__name__} does not declare its pipeline "
-                              "stages (pp_first, pp_last, stage_forward, loss_terms; the built-in GPT does): "
-                              "set dist.pp.size=1")
+        if not all(hasattr(model, a) for a in STAGE_API):
+            raise ConfigError(f"dist.pp.size={pp}: the model {getattr(model, 'name', type(model).__name__)} does not "
+                              f"declare its pipeline stages ({', '.join(STAGE_API)}; the built-in GPT and "
+                              "model=hf_causal_lm decoders laid out as Llama's, such as llama, qwen2 and mistral, "
+                              "do): set dist.pp.size=1")
         model = model.to(env.device)
         self.env, self.mesh, self.precision = env, mesh, precision
         dims = (("pp", pp), ("replicate", mesh.replicate), ("shard", mesh.shard))
@@ -215,6 +252,7 @@ class PipelineStrategy(FSDPStrategy):
         self.whole_names = [name_of[p] for group in decay_split([p for p in name_of if p.requires_grad])
                             for p in group]
         self.ties = untie_across(model, model.pp_first, model.pp_last)
+        self.width, self.vocab = model.stage_dims()
         first, last = 0 in self.stage_ids, stages - 1 in self.stage_ids
         held = {i for s in self.stage_ids for i in cuts[s]}
         for i, name in enumerate(names):  # prune what this rank does not hold; names stay the whole model's
@@ -223,7 +261,8 @@ class PipelineStrategy(FSDPStrategy):
                 del model.get_submodule(parent)._modules[child]
         for keep, parts in ((first, model.pp_first), (last, model.pp_last)):
             for part in parts if not keep else ():
-                delattr(model, part)
+                parent, _, child = part.rpartition(".")
+                delattr(model.get_submodule(parent), child)
         held_blocks = prepare_blocks(model, cfg.blocks, cfg.activation_checkpointing, False)  # this rank's blocks
         self.views = [StageModule(model, s, [b for i, b in enumerate(blocks) if i in cuts[s]], s == 0,
                                   s == stages - 1) for s in self.stage_ids]
@@ -249,7 +288,8 @@ class PipelineStrategy(FSDPStrategy):
         self.schedule_name, self.per_rank, self.n_stages = schedule, per_rank, stages
         self.bubble: Optional[float] = None  # the predicted idle fraction, once the step's micro-batches are known
         self.schedule: Any = None  # built at the first step, from its micro-batches' shapes
-        self.accum_steps = self.micro_batch_size = 0  # the shape of a window the stages take (the plan's)
+        self.accum_steps = self.micro_batch_size = self.seq_len = 0  # a window's shape (the plan's; the model's
+        # block_size: shorter sequences are padded)
         self.pp_idle_s = self.pp_schedule_s = 0.0  # this rank's idle and wall seconds in the last step's schedule
         self._losses: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self._loss_factor = 1.0
@@ -279,7 +319,7 @@ class PipelineStrategy(FSDPStrategy):
         """torch's stages (static shapes: micro-batch rows x ``seq`` tokens) and the schedule, at the first step."""
         mb, n = self.micro_batch_size, self.accum_steps
         stream = self.precision.param_dtype or torch.float32
-        width, vocab = self.model.n_embd, self.model.vocab_size  # the GPT's; declared with pp_first/pp_last
+        width, vocab = self.width, self.vocab
         # Gradients flow through the stream (requires_grad), not through token ids.
         meta = lambda *shape, dtype=stream: torch.empty(shape, dtype=dtype, device="meta",  # noqa: E731
                                                          requires_grad=dtype.is_floating_point)
@@ -308,7 +348,8 @@ class PipelineStrategy(FSDPStrategy):
         """
         if self.schedule is None:
             self.accum_steps, self.micro_batch_size = accum_steps, micro_batch_size
-            self._build(batches[0]["input_ids"].shape[1])
+            self.seq_len = getattr(self.model, "block_size", None) or batches[0]["input_ids"].shape[1]
+            self._build(self.seq_len)
         inputs, targets = self._window(batches, counted)
         self._losses, self._loss_factor = [], factor
         began, compute0 = time.perf_counter(), self.counts["compute_s"]
@@ -332,21 +373,22 @@ class PipelineStrategy(FSDPStrategy):
         (the stages' shapes are fixed). A row's loss depends on its own tokens only, so padding changes nothing."""
         rows, missing = self.micro_batch_size, self.accum_steps - len(batches)
         batches, counted = list(batches) + [batches[-1]] * missing, list(counted) + [False] * missing
-        inputs, targets = [], []
+        inputs, targets, sides = [], [], []
         for b, keep in zip(batches, counted):
-            ids, tgt = b["input_ids"][:rows], b["targets"][:rows]
+            ids, tgt = b["input_ids"][:rows], self.model.stage_targets(b)[:rows]
             tgt = tgt if keep else torch.full_like(tgt, IGNORE_INDEX)
-            short = rows - ids.shape[0]
-            if short:
-                ids = torch.cat([ids, ids.new_zeros((short, *ids.shape[1:]))])
-                tgt = torch.cat([tgt, tgt.new_full((short, *tgt.shape[1:]), IGNORE_INDEX)])
+            side = {k: b[k][:rows] for k in SIDE_INPUTS if k in b}
+            ids, tgt, side = _pad(ids, tgt, side, rows, self.seq_len)
             inputs.append(ids)
             targets.append(tgt)
+            sides.append(side)
+        for view in self.views:
+            view.side = sides if any(sides) else []
         return torch.cat(inputs), torch.cat(targets)
 
     def items_of(self, batch: Any) -> torch.Tensor:
         """The items of one micro-batch, known to every stage from its targets (the first step's divisor)."""
-        return (batch["targets"] != IGNORE_INDEX).sum().to(torch.float64)
+        return (self.model.stage_targets(batch) != IGNORE_INDEX).sum().to(torch.float64)
 
     def _sum_tied_grads(self) -> None:
         """Both copies of a weight tied across stages get the sum of their gradients (this rank's shards): the
