@@ -184,6 +184,13 @@ def run_dist_trainer(overrides: Sequence[str], steps: int, nproc: int = WORLD, f
                      base: Sequence[str] = DIST_TRAINER_OVERRIDES) -> List[dict]:
     """One ``torchrun -m dist_trainer`` run of the benchmark job (``base``) with ``overrides``, in a
     temporary directory; its metrics.jsonl records. ``fresh_inductor_cache``: compile cold."""
+    return run_dist_trainer_with_plan(overrides, steps, nproc, fresh_inductor_cache, base)[0]
+
+
+def run_dist_trainer_with_plan(overrides: Sequence[str], steps: int, nproc: int = WORLD,
+                               fresh_inductor_cache: bool = False,
+                               base: Sequence[str] = DIST_TRAINER_OVERRIDES) -> tuple:
+    """``run_dist_trainer``'s metrics.jsonl records, and the run's plan.json."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
@@ -194,7 +201,8 @@ def run_dist_trainer(overrides: Sequence[str], steps: int, nproc: int = WORLD, f
         proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{list(overrides)} on {nproc} ranks failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-        return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return ([json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()],
+                json.loads((run_dir / "plan.json").read_text()))
 
 
 def runner_args() -> argparse.Namespace:
