@@ -166,16 +166,24 @@ def test_packing_keeps_conversations_whole_and_in_order():
 def _jobs(files: list, cache: Path) -> dict:
     def job(packing: bool, strategy: str):
         data = chat_data(files, cache, packing=packing, block_size=256 if packing else 128)
-        return lambda micro: config(chat_model(), data, micro, strategy)
-    return {(packing, strategy): job(packing, strategy) for packing in (False, True) for strategy in ("ddp", "fsdp")}
+
+        def make(micro: int):
+            cfg = config(chat_model(), data, micro, "ddp" if strategy == "pp" else strategy)
+            if strategy == "pp":  # two stages of one decoder layer: each builds the masks and positions itself
+                cfg.dist.pp.size = 2
+            return cfg
+        return make
+    return {(packing, strategy): job(packing, strategy) for packing in (False, True)
+            for strategy in ("ddp", "fsdp", "pp")}
 
 
 def _split_worker(rank: int, world: int, files: list, cache: str) -> dict:
     return {key: _steps(make(4), world) for key, make in _jobs(files, Path(cache)).items()}
 
 
-def test_split_invariance_padded_and_packed_under_ddp_and_fsdp(tmp_path):
-    """2 ranks x micro 4 x accum 4 == 1 process x 32 samples: conversations, or blocks of them."""
+def test_split_invariance_padded_and_packed_under_ddp_fsdp_and_pp(tmp_path):
+    """2 ranks x micro 4 x accum 4 == 1 process x 32 samples: conversations, or blocks of them. Under pp 2
+    (micro 4 x accum 8 through the pipeline) each rank holds one stage: the two together are the model."""
     files = [str(write_jsonl(tmp_path / "chats.jsonl", conversations(160, seed=2)))]
     cache = tmp_path / "cache"
     ranks = run_ranks(_split_worker, 2, tmp_path, files, str(cache))
@@ -186,6 +194,12 @@ def test_split_invariance_padded_and_packed_under_ddp_and_fsdp(tmp_path):
         dist.destroy_process_group()
     for (packing, strategy), rec in ranks[0].items():
         ref, what = refs[packing], f"{'packed' if packing else 'padded'}/{strategy}"
+        if strategy == "pp":
+            other = ranks[1][(packing, strategy)]
+            assert not rec["params"].keys() & other["params"].keys()
+            rec = {"items": rec["items"], "grads": [{**a, **b} for a, b in zip(rec["grads"], other["grads"])],
+                   "params": {**rec["params"], **other["params"]}}
+            ranks[1][(packing, strategy)] = rec
         assert rec["items"] == ref["items"]  # the same answer tokens counted, whatever the split
         for step in range(STEPS):
             _assert_close(rec["grads"][step], ref["grads"][step], f"{what} step {step + 1} grad")
