@@ -436,6 +436,7 @@ def test_elastic_restart_after_a_worker_is_killed_resumes_bit_identical(jobs, fp
     assert_bit_identical(run_dir, fp32_2rank.ref)
 
 
+@pytest.mark.slow  # 15-60 s of real launches: .ci/run runs it with the slow set
 @uses("ref", "half")
 def test_a_stopped_rank_is_named_within_the_step_timeout_and_the_restart_resumes_bit_identical(fp32_2rank, tmp_path):
     # SIGSTOP, as a stalled device or a debugger would: torchrun sees no exit code, and without the

@@ -62,6 +62,7 @@ def _fill(mount: Path, leave: int) -> Path:
     return ballast
 
 
+@pytest.mark.slow  # 15-60 s of real launches: .ci/run runs it with the slow set
 def test_full_disk_stops_every_rank_cleanly_and_the_run_resumes_once_space_allows(tmpfs, tmp_path):
     run_dir = tmpfs / "run"
     gate = tmp_path / "gate"

@@ -89,6 +89,7 @@ def _assert_continues(run_dir: Path, ref_dir: Path) -> None:
     assert_all_close_scaled(params, ref, "final parameters")
 
 
+@pytest.mark.slow  # 15-60 s of real launches: .ci/run runs it with the slow set
 def test_resume_resharded_and_with_the_other_strategy(runs, tmp_path):
     results = run_all([
         (FSDP + [f"trainer.max_steps={STEPS}", f"hydra.run.dir={runs.to1}"], 0),          # fsdp 2 -> 1

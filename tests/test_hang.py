@@ -70,6 +70,7 @@ def blocked_loader(tmp_path_factory):
     return run_dir, code, ended_after, output
 
 
+@pytest.mark.slow  # 15-60 s of real launches: .ci/run runs it with the slow set
 def test_a_blocked_loader_ends_the_run_in_seconds_naming_the_rank_and_step(blocked_loader):
     run_dir, code, ended_after, output = blocked_loader
     assert code != 0, output[-4000:]

@@ -471,6 +471,7 @@ def test_sbatch_directives():
         assert wanted in directives, directives
 
 
+@pytest.mark.slow  # 15-60 s of real launches: .ci/run runs it with the slow set
 def test_sbatch_trains_on_two_nodes(slurm, spawn, tmp_path):
     env, log_dir = slurm
     proc = spawn(["bash", str(SBATCH), *SMALL], cwd=tmp_path, env=env)
@@ -515,6 +516,7 @@ def test_sbatch_forwards_usr1_to_every_task_then_requeues(slurm, spawn, tmp_path
         assert "not requeueing" in out, out
 
 
+@pytest.mark.slow  # 15-60 s of real launches: .ci/run runs it with the slow set
 def test_sbatch_usr1_reaches_real_torchrun_workers(slurm, spawn, tmp_path):
     """The whole chain with real torchrun agents: batch shell -> srun -> torchrun -> workers, then requeue.
 
@@ -558,6 +560,7 @@ def _checkpoints(run_dir: Path) -> List[str]:
     return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
 
 
+@pytest.mark.slow  # 15-60 s of real launches: .ci/run runs it with the slow set
 def test_sbatch_preempted_job_is_requeued_and_resumes_bit_identically(slurm, spawn, tmp_path):
     """USR1 to the batch shell (--signal=B:USR1) -> a checkpoint at the step the run stopped and a requeue;
     the requeued job (same SLURM_JOB_ID) resumes from it and ends exactly where an uninterrupted job ends."""
@@ -707,6 +710,7 @@ def test_indexed_job_is_consistent():
     assert pod["securityContext"]["runAsUser"] == 10001  # the image's USER
 
 
+@pytest.mark.slow  # 15-60 s of real launches: .ci/run runs it with the slow set
 def test_kubernetes_env_contract_forms_a_two_node_world(spawn, tmp_path):
     """Two plain `torchrun -m dist_trainer` agents, configured only by the Job's PET_* variables.
 

@@ -75,6 +75,7 @@ def _check_points(sweep_dir: Path) -> None:
         assert not (run_dir / "rank0").exists()  # one directory per point, not one per rank
 
 
+@pytest.mark.slow  # 15-60 s of real launches: .ci/run runs it with the slow set
 def test_submitit_local_sweep_runs_each_point_as_two_ranks_in_its_own_run_directory(sweep, tmp_path):
     sweep_dir = tmp_path / "sweep"
     proc = sweep("submitit_local", sweep_dir, ARGS, _env(), tmp_path)
