@@ -187,6 +187,7 @@ def _pad(ids: torch.Tensor, targets: torch.Tensor, side: Dict[str, torch.Tensor]
     if ids.shape[1] > seq:
         raise ConfigError(f"a micro-batch of {ids.shape[1]} tokens a row is longer than the pipeline stages' "
                           f"{seq} (the model's block_size): set data.block_size <= model.block_size")
+
     def added(v: torch.Tensor, key: str, shape: Tuple[int, int], mask: int) -> torch.Tensor:
         if key == "position_ids":  # a segment of its own
             return torch.arange(shape[1], dtype=v.dtype).expand(*shape)
