@@ -161,8 +161,10 @@ def _run_job(env, name: str, cfg, steps: int) -> dict:
         return reduce_window(*args, **kwargs)
 
     trainer._reduce_window = spy
-    batches = epoch_batches(parts.train_set, parts.step_plan, 0, 0, 0, False)
-    for step, (window, micro_batches) in zip(range(1, steps + 1), batches):
+    batches = enumerate(epoch_batches(parts.train_set, parts.step_plan, 0, 0, 0, False), 1)
+    if name.startswith("from-last/"):  # the epoch's last step first, as a run resumed just before it starts
+        batches = list(batches)[-1:]
+    for (step, (window, micro_batches)), _ in zip(batches, range(steps)):
         outcome = trainer.train_step(micro_batches, window, step)
         rec["outcomes"].append(dataclasses.asdict(outcome))
         rec["grads"].append(_named(trainer.module, grads=True))

@@ -137,7 +137,7 @@ def _jobs2() -> list:
     ac = _pp(_model(8))
     ac.dist.activation_checkpointing = True
     jobs += [("plan/bf16-mixed", mixed, 2), ("plan/bf16-master", master, 2), ("plan/ac", ac, 2),
-             ("overflow", _overflow(), STEPS),
+             ("overflow", _overflow(), STEPS), ("from-last/end", _pp(_end(8)), 1),
              ("llama", _clip(_pp(_hf("llama", 8))), STEPS),
              ("qwen2", _pp(_hf("qwen2", 8, tie_word_embeddings=True), schedule="interleaved_1f1b", per_rank=2), STEPS),
              ("plan/llama", _pp(_hf("llama", 8)), 2), ("llama/padded", _pp(_longer(_hf("llama", 8))), STEPS)]
@@ -163,7 +163,8 @@ def pp4(tmp_path_factory):
 def refs():
     """One process, one big batch of 32 (K = 1)."""
     return in_one_process(_worker, [("ref", _model(GLOBAL), STEPS), ("clip", _clip(_model(GLOBAL)), STEPS),
-                                    ("end", _end(GLOBAL), STEPS), ("llama", _clip(_hf("llama", GLOBAL)), STEPS),
+                                    ("end", _end(GLOBAL), STEPS), ("from-last/end", _end(GLOBAL), 1),
+                                    ("llama", _clip(_hf("llama", GLOBAL)), STEPS),
                                     ("qwen2", _hf("qwen2", GLOBAL, tie_word_embeddings=True), STEPS),
                                     ("llama/padded", _longer(_hf("llama", GLOBAL)), STEPS)])
 
@@ -208,6 +209,15 @@ def test_pp2_short_last_step_runs_placeholders(pp2, refs):
         run = _job(pp2, "end", rank)
         assert run["outcomes"][-1]["samples"] == 9
         _assert_stage_run(run, refs["end"], f"pp 2 end of data rank {rank}")
+
+
+def test_pp2_a_first_step_that_is_short_builds_full_stages(pp2, refs):
+    # A run resumed just before the epoch's short last step starts with it: the stages take the plan's shape
+    # (4 micro-batches of 8), not the short step's (one of 8 and one of 1), and the step equals one process's.
+    for rank in range(2):
+        run = _job(pp2, "from-last/end", rank)
+        assert run["outcomes"][0]["samples"] == 9
+        _assert_stage_run(run, refs["from-last/end"], f"pp 2, the short step first, rank {rank}")
 
 
 def test_pp2_stages_hold_their_blocks_and_the_tie(pp2):
