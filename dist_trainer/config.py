@@ -593,8 +593,6 @@ def _validate_pp(cfg: Config) -> None:
                              "schedules compute weight gradients apart, for the stage's own parameters, which FSDP2 "
                              "(every stage's wrapper here) holds sharded, so they would be lost; use 1f1b or "
                              "interleaved_1f1b"),
-        "dist.tp.size": (d.tp.size == 1, "pipeline stages over tensor-parallel groups are not supported yet: set "
-                         "dist.tp.size=1 or dist.pp.size=1"),
         "trainer.compile": (not cfg.trainer.compile, "compiling pipeline stages is not supported: set "
                             "trainer.compile=false or dist.pp.size=1"),
         "dist.sync_batchnorm": (not d.sync_batchnorm, "is not supported with pipeline stages: set "

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from hydra.utils import instantiate
@@ -24,7 +24,7 @@ from .data import StepPlan, build_dataset
 from .parallel.blocks import find_blocks
 from .parallel.comm import COMM_KEYS as GRADIENT_COMM_KEYS
 from .parallel.pp import pp_bubble
-from .parallel.tp import TP_COMM_KEYS, expected_tp_comm, local_shapes, norm_activation_bytes
+from .parallel.tp import TP_COMM_KEYS, expected_tp_comm, local_shapes, norm_activation_bytes, resolve_plan
 from .precision import Precision
 
 MIB = 2**20
@@ -196,22 +196,39 @@ def pp_expected(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
     mesh, accum = plan.mesh, plan.accum_steps
     S, stages = mesh.shard, mesh.pp * cfg.dist.pp.stages_per_rank
     stream = (precision.param_dtype or torch.float32).itemsize
-    # The stages' fixed shape: micro-batch rows x the model's block_size (shorter sequences padded to it).
+    # The stages' fixed shape: micro-batch rows x the model's block_size (shorter sequences padded to it); under
+    # sequence parallelism a rank sends its sequence shard.
     tokens = plan.micro_batch_size * (getattr(model, "block_size", None) or cfg.data.get("block_size") or 1)
-    activation = tokens * model.stage_dims()[0] * stream
+    shards = mesh.tp if mesh.tp > 1 and cfg.dist.tp.sequence_parallel else 1
+    activation = tokens // shards * model.stage_dims()[0] * stream
     tied = _tied_across(model)
+    cut = local_shapes(model, cfg.dist.tp)
+    # A row-wise Embedding's gradient is made by torch's masked embedding backward over the whole vocabulary: its
+    # tp shard is a view of a whole-sized tensor, which is what the rank holds until the step's reduction.
+    rowwise_embeddings = {id(model.get_submodule(name).weight) for name, style in
+                          (resolve_plan(model, cfg.dist.tp).items() if mesh.tp > 1 else ())
+                          if style == "rowwise" and isinstance(model.get_submodule(name), nn.Embedding)}
+    grad_cut = {k: v for k, v in cut.items() if k not in rowwise_embeddings}
     out = []
     for g in pp_stage_groups(cfg, model):
-        counts = dict.fromkeys(COMM_KEYS + PP_COMM_KEYS, 0)
+        counts = dict.fromkeys(COMM_KEYS + PP_COMM_KEYS + (TP_COMM_KEYS if mesh.tp > 1 else ()), 0)
         gathered_all = grads_all = 0  # what the stage group holds unsharded at the step's peak
         for unit in g["units"]:
-            gathered, grad = unit_bytes(unit, S, precision)
+            gathered, grad = unit_bytes(unit, S, precision, cut)
             add_unit_comm(counts, mesh, gathered, grad, 1, 1)
-            gathered_all, grads_all = gathered_all + S * gathered, grads_all + S * grad
+            gathered_all, grads_all = gathered_all + S * gathered, grads_all + S * unit_bytes(unit, S, precision,
+                                                                                               grad_cut)[1]
         if g["first"] or g["last"]:  # the first stage on group 0, the last on group pp - 1
             for p in tied:
                 counts["allreduces"] += 1
-                counts["allreduce_bytes"] += shard_elements(p, S) * 4
+                counts["allreduce_bytes"] += shard_elements(p, S, cut.get(id(p))) * 4
+        if mesh.tp > 1:  # the activations' collectives of the modules this stage group holds
+            roots = [b for blocks in g["blocks"] for b in blocks] + \
+                (list(model.pp_first) if g["first"] else []) + (list(model.pp_last) if g["last"] else [])
+            held = lambda name, roots=roots: any(name == r or name.startswith(r + ".") for r in roots)  # noqa: E731
+            for key, value in tp_comm(cfg, plan, model, precision, held).items():
+                counts[key] += value
+                counts[key[len("tp_"):]] += value
         for s in g["stages"]:
             for kind, exists in (("send", s != stages - 1), ("recv", s != 0)):  # forward: the activation
                 if exists:
@@ -223,7 +240,7 @@ def pp_expected(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
                     counts[f"p2p_{kind}_bytes"] += accum * activation
         counts["step_allreduces"] = 1
         counts["step_allreduce_bytes"] = step_stats_bytes(mesh.world_size, pipeline=True)
-        state = expected_state_bytes(cfg, [p for unit in g["units"] for p in unit if p.requires_grad], S)
+        state = expected_state_bytes(cfg, [p for unit in g["units"] for p in unit if p.requires_grad], S, cut)
         # Every unit stays gathered (a shard group of one rank too: FSDP2 still unshards into its own buffer) and
         # keeps its unsharded gradient from its first backward to the step's reduction.
         held = gathered_all + (grads_all if accum > 1 else 0)
@@ -245,16 +262,17 @@ def _micro_batch_tokens(cfg: Config, plan: BatchPlan, model: nn.Module) -> int:
     return plan.micro_batch_size * (cfg.data.get("block_size") or getattr(model, "block_size", None) or 1)
 
 
-def tp_comm(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision) -> Dict[str, int]:
+def tp_comm(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision,
+            held: Optional[Callable[[str], bool]] = None) -> Dict[str, int]:
     """The tp collectives of one full step, for micro-batches of whole sequences (``_micro_batch_tokens``).
-    Padded batches of shorter sequences send less."""
+    Padded batches of shorter sequences send less. ``held``: the modules that count (a stage group's)."""
     param_bytes = (precision.param_dtype or torch.float32).itemsize
     linear_bytes = precision.autocast_dtype.itemsize if precision.autocast_dtype is not None else param_bytes
     blocks = find_blocks(model, cfg.dist.blocks) if cfg.dist.activation_checkpointing else []
     names = {id(m): name for name, m in model.named_modules()}
     return expected_tp_comm(model, cfg.dist.tp, _micro_batch_tokens(cfg, plan, model), plan.accum_steps,
                             param_bytes, linear_bytes, [names[id(b)] for b in blocks],
-                            plan.accum_steps if cfg.dist.fsdp.accum_sync == "every" else 1)
+                            plan.accum_steps if cfg.dist.fsdp.accum_sync == "every" else 1, held)
 
 
 def expected_peak_extra_bytes(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision) -> int:
@@ -390,6 +408,8 @@ def _pp_numbers(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
     step = groups[0]["step"]
     dims = dict(COMM_DIMS["hsdp" if mesh.kind == "ddp" else mesh.kind])
     dims.update({"p2p_sends": "pp", "p2p_recvs": "pp"})
+    if mesh.tp > 1:
+        dims.update({key: "tp" for key in TP_COMM_KEYS if not key.endswith("_bytes")})
     if _tied_across(model):
         dims["allreduces"] = dims.get("allreduces", "replicate") + "; the tied weight's: first and last stage groups"
     pp = cfg.dist.pp

@@ -144,9 +144,20 @@ def _jobs2() -> list:
     return jobs
 
 
+def _tp(cfg, sp: bool = True):
+    cfg.dist.tp = dataclasses.replace(cfg.dist.tp, size=2, sequence_parallel=sp)
+    return cfg
+
+
 def _jobs4() -> list:
     return [("ddp/k4", _clip(_pp(_model(4))), STEPS), ("fsdp/k4", _clip(_pp(_model(4), strategy="fsdp")), STEPS),
-            ("fsdp/interleaved/k4", _pp(_model(4), schedule="interleaved_1f1b", per_rank=2, strategy="fsdp"), STEPS)]
+            ("fsdp/interleaved/k4", _pp(_model(4), schedule="interleaved_1f1b", per_rank=2, strategy="fsdp"), STEPS),
+            ("tp/k4", _clip(_tp(_pp(_model(8)))), STEPS), ("tp/nosp/k4", _clip(_tp(_pp(_model(8)), sp=False)), STEPS),
+            ("tp/llama", _clip(_tp(_pp(_hf("llama", 8)), sp=False)), STEPS)]
+
+
+def _jobs8() -> list:
+    return [("fsdp/tp/k4", _clip(_tp(_pp(_model(4), strategy="fsdp"))), STEPS)]
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +168,11 @@ def pp2(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pp4(tmp_path_factory):
     return launch_clean(_worker, 4, tmp_path_factory.mktemp("pp4"), _jobs4())
+
+
+@pytest.fixture(scope="module")
+def pp8(tmp_path_factory):
+    return launch_clean(_worker, 8, tmp_path_factory.mktemp("pp8"), _jobs8())
 
 
 @pytest.fixture(scope="module")
@@ -273,19 +289,29 @@ def test_pp2_bubble_is_predicted():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("job", ["ddp/k4", "fsdp/k4", "fsdp/interleaved/k4"])
-def test_pp2_by_data_parallel_2_equals_one_big_batch_and_the_plan(pp4, refs, job):
+@pytest.mark.parametrize("job", ["ddp/k4", "fsdp/k4", "fsdp/interleaved/k4", "tp/k4", "tp/nosp/k4", "tp/llama"])
+def test_pp2_by_data_parallel_or_tp_2_equals_one_big_batch_and_the_plan(pp4, refs, job):
+    want = refs["llama" if "llama" in job else "clip" if "interleaved" not in job else "ref"]
     for rank in range(4):
         run = _job(pp4, job, rank)
-        _assert_stage_run(run, refs["clip" if "interleaved" not in job else "ref"], f"{job} rank {rank}")
+        _assert_stage_run(run, want, f"{job} rank {rank}")
         _assert_plan(run, rank, 2)
+        if job.startswith("tp"):
+            assert run["outcomes"][1]["comm"]["tp_allreduces"] > 0  # the activations' collectives, counted
+
+
+@pytest.mark.slow
+def test_pp2_by_fsdp2_by_tp2_on_8_ranks_equals_one_big_batch_and_the_plan(pp8, refs):
+    for rank in range(8):
+        run = _job(pp8, "fsdp/tp/k4", rank)
+        _assert_stage_run(run, refs["clip"], f"pp 2 x fsdp 2 x tp 2 rank {rank}")
+        _assert_plan(run, rank, 4)
 
 
 # ----------------------------------------------------------------------------- configuration
 
 @pytest.mark.parametrize("change, key", [
     (lambda c: _pp(c, schedule="zero_bubble", per_rank=2), "dist.pp.schedule"),
-    (lambda c: setattr(_pp(c).dist, "tp", dataclasses.replace(c.dist.tp, size=2)), "dist.tp.size"),
     (lambda c: setattr(_pp(c).trainer, "compile", True), "trainer.compile"),
     (lambda c: setattr(_pp(c, strategy="fsdp").dist, "fsdp", dataclasses.replace(c.dist.fsdp, accum_sync="every")),
      "dist.fsdp.accum_sync"),
@@ -325,20 +351,23 @@ def _jobs(root: Path, runs: list) -> None:
 
 @pytest.mark.slow
 def test_pp_checkpoints_resume_across_pp_degrees(tmp_path):
-    _jobs(tmp_path, [("one", 1, []), ("pp", 2, ["dist.pp.size=2"])])
+    _jobs(tmp_path, [("one", 1, []), ("pp", 2, ["dist.pp.size=2"]), ("pptp", 4, ["dist.pp.size=2", "dist.tp.size=2"])])
     one, pp = metrics(tmp_path / "one"), metrics(tmp_path / "pp")
+    assert [r["loss"] for r in metrics(tmp_path / "pptp")] == pytest.approx([r["loss"] for r in one], rel=1e-5)
     assert [r["loss"] for r in pp] == pytest.approx([r["loss"] for r in one], rel=1e-5)
     assert pp[-1]["eval_loss"] == pytest.approx(one[-1]["eval_loss"], rel=1e-5)
     assert pp[0]["pp_bubble"] == pytest.approx(1 / 5) and len(pp[0]["pp_idle_s"]) == 2
     resumes = (("pp_same", "pp", 2, ["dist.pp.size=2"]), ("pp_to_one", "pp", 1, []),
-               ("one_to_pp", "one", 2, ["dist.pp.size=2"]))
+               ("one_to_pp", "one", 2, ["dist.pp.size=2"]), ("pptp_same", "pptp", 4, ["dist.pp.size=2", "dist.tp.size=2"]),
+               ("pp_to_pptp", "pp", 4, ["dist.pp.size=2", "dist.tp.size=2"]), ("pptp_to_one", "pptp", 1, []))
     for name, src, _, _ in resumes:  # each resumes from its source's step-2 checkpoint
         shutil.copytree(ckpt(tmp_path / src, 2), ckpt(tmp_path / name, 2))
     _jobs(tmp_path, [(name, ranks, extra) for name, _, ranks, extra in resumes])
     whole, mine = final_params(tmp_path / "one"), final_params(tmp_path / "pp")
     assert set(mine) == set(whole)  # exported whole: every stage's tensors, the tied head too
     assert_bit_identical(tmp_path / "pp_same", tmp_path / "pp")  # pp 2 resumed on pp 2
-    for name in ("pp", "pp_to_one", "one_to_pp"):
+    assert_bit_identical(tmp_path / "pptp_same", tmp_path / "pptp")  # pp 2 x tp 2 resumed on pp 2 x tp 2
+    for name in ("pp", "pp_to_one", "one_to_pp", "pptp", "pp_to_pptp", "pptp_to_one"):
         assert_all_close_scaled(final_params(tmp_path / name), whole, name)
 
 

@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from ..checkpoint import load_shards
@@ -53,6 +54,7 @@ from ..precision import Precision, frozen_names
 from .blocks import find_blocks, prepare_blocks
 from .fsdp import FSDPStrategy, PeakMeter, ShardedWeights, checkpointed, count_units, mp_policy
 from .state import local_tensor, named_optimizer_state
+from .tp import apply_tp, tp_sharded
 
 P2P_KEYS = ("p2p_sends", "p2p_send_bytes", "p2p_recvs", "p2p_recv_bytes")
 # What a model declares to be cut into stages (models.GPT; hf.models.HFModel for decoders laid out as Llama's).
@@ -235,9 +237,10 @@ class PipelineStrategy(FSDPStrategy):
                               "do): set dist.pp.size=1")
         model = model.to(env.device)
         self.env, self.mesh, self.precision = env, mesh, precision
-        dims = (("pp", pp), ("replicate", mesh.replicate), ("shard", mesh.shard))
+        dims = (("pp", pp), ("replicate", mesh.replicate), ("shard", mesh.shard), *((("tp", mesh.tp),) * (mesh.tp > 1)))
         root = init_device_mesh(env.device.type, tuple(n for _, n in dims), mesh_dim_names=tuple(k for k, _ in dims))
         dmesh = root["shard"] if mesh.replicate == 1 else root["replicate", "shard"]
+        tp_mesh = root["tp"] if mesh.tp > 1 else None
         self.pp_group = root["pp"].get_group()
         self.pp_rank = mesh.pp_rank(env.rank)
         stages = pp * per_rank
@@ -252,6 +255,10 @@ class PipelineStrategy(FSDPStrategy):
         name_of = {p: n for n, p in model.named_parameters()}
         self.whole_names = [name_of[p] for group in decay_split([p for p in name_of if p.requires_grad])
                             for p in group]
+        # Tensor parallelism cuts the whole model first (its plan names every block), then the stages are cut
+        # from it; a tie across stages is cut alike on both sides (the embedding by rows, the head by rows).
+        self.tp = apply_tp(model, tp_mesh, cfg.tp, blocks) if tp_mesh is not None else None
+        self.sequence_shards = mesh.tp if self.tp is not None and cfg.tp.sequence_parallel else 1
         self.ties = untie_across(model, model.pp_first, model.pp_last)
         self.width, self.vocab = model.stage_dims()
         first, last = 0 in self.stage_ids, stages - 1 in self.stage_ids
@@ -276,14 +283,17 @@ class PipelineStrategy(FSDPStrategy):
         self.model = self.module = model
         self.weights = ShardedWeights(model)
         first_replica = mesh.data_rank(env.rank) < mesh.shard
+        first_of_tp = env.rank % mesh.tp == 0
         tied_copies = {b for _, b in self.ties}
         params = dict(model.named_parameters())
-        self.norm_share = {p: float(first_replica and name not in tied_copies) for name, p in params.items()
-                           if p.requires_grad}
+        self.norm_share = {p: float(first_replica and name not in tied_copies and
+                                    (first_of_tp or tp_sharded(p, tp_mesh)))
+                           for name, p in params.items() if p.requires_grad}
         self._shares_cache = ((), None)
         self.tie_pairs = [(params.get(a), params.get(b)) for a, b in self.ties]
         self._tie_group = self._tie_groups() if self.ties else None
-        self.groups = [dist.group.WORLD, *dmesh.get_all_groups(), self.pp_group,
+        self.groups = [dist.group.WORLD, *dmesh.get_all_groups(), *(tp_mesh.get_all_groups() if tp_mesh else []),
+                       self.pp_group,
                        *([self._tie_group] if self._tie_group is not None else [])]
         self.counts: Dict[str, float] = {**dict.fromkeys(P2P_KEYS, 0), "compute_s": 0.0}
         self.schedule_name, self.per_rank, self.n_stages = schedule, per_rank, stages
@@ -313,7 +323,9 @@ class PipelineStrategy(FSDPStrategy):
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         terms = self.model.loss_terms(output, target)
         loss_sum = terms["loss_sum"].float()
-        self._losses.append((loss_sum.detach(), terms["num_items"].detach()))
+        recorded = loss_sum.detach()
+        self._losses.append((recorded.full_tensor() if isinstance(recorded, DTensor) else recorded,
+                             terms["num_items"].detach()))
         return loss_sum * self._loss_factor
 
     def _build(self, seq: int) -> None:
@@ -327,8 +339,11 @@ class PipelineStrategy(FSDPStrategy):
         stages = []
         for view in self.views:
             s = view.index
-            inp = meta(mb, seq, dtype=torch.long) if s == 0 else meta(mb, seq, width)
-            out = meta(mb, seq, vocab) if s == self.n_stages - 1 else meta(mb, seq, width)
+            # Under sequence parallelism the stream between blocks, and so between stages, is this rank's
+            # sequence shard.
+            stream_seq = seq // self.sequence_shards
+            inp = meta(mb, seq, dtype=torch.long) if s == 0 else meta(mb, stream_seq, width)
+            out = meta(mb, seq, vocab) if s == self.n_stages - 1 else meta(mb, stream_seq, width)
             stages.append(_CountingStage(view, s, self.n_stages, self.env.device, input_args=inp, output_args=out,
                                          group=self.pp_group, counts=self.counts, meter=self.meter))
         cls = SCHEDULE_CLASSES[self.schedule_name]
@@ -354,7 +369,7 @@ class PipelineStrategy(FSDPStrategy):
         inputs, targets = self._window(batches, counted)
         self._losses, self._loss_factor = [], factor
         began, compute0 = time.perf_counter(), self.counts["compute_s"]
-        with autocast():
+        with autocast(), self._tp_context():
             self.schedule.step(inputs, target=targets, return_outputs=False)
         self.pp_schedule_s = time.perf_counter() - began
         self.pp_idle_s = max(self.pp_schedule_s - (self.counts["compute_s"] - compute0), 0.0)
@@ -422,13 +437,13 @@ class PipelineStrategy(FSDPStrategy):
             group = batches[start:start + self.accum_steps]
             inputs, targets = self._window(group, [True] * len(group))
             self._losses, self._loss_factor = [], 1.0
-            with autocast():
+            with autocast(), self._tp_context(count=False):
                 self.schedule.eval(inputs, target=targets)
             losses += self._losses
         return self._totals(losses)
 
     def comm(self) -> Dict[str, int]:
-        counts = dict(self.counter.counts)
+        counts = super().comm()  # FSDP's collectives and, under tp, the activations'
         for key in P2P_KEYS:
             counts[key] = int(self.counts[key])
         for key, value in self._comm_extra.items():

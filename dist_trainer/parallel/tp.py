@@ -341,7 +341,8 @@ def norm_activation_bytes(model: nn.Module, cfg: TPConfig, tokens: int, param_by
 
 
 def expected_tp_comm(model: nn.Module, cfg: TPConfig, tokens: int, accum: int, param_bytes: int,
-                     linear_bytes: int, checkpointed: List[str], grad_reductions: int = 1) -> Dict[str, int]:
+                     linear_bytes: int, checkpointed: List[str], grad_reductions: int = 1,
+                     held: Optional[Callable[[str], bool]] = None) -> Dict[str, int]:
     """Calls and bytes of the tp collectives of one optimizer step of ``accum`` micro-batches, by metrics key.
 
     ``tokens``: a micro-batch's (micro batch x sequence length); ``param_bytes``: bytes of an element of
@@ -362,9 +363,15 @@ def expected_tp_comm(model: nn.Module, cfg: TPConfig, tokens: int, accum: int, p
     loss parallelism it all-gathers the logits instead. Each parameter of a sequence-parallel norm
     all-reduces its gradient (summed over the sequence shards) where FSDP reduces gradients:
     ``grad_reductions`` times a step (once under accum_sync=last, each micro-batch under every).
+    ``held``: which of the plan's modules count (a pipeline stage group's; default all); the first
+    block's input cut counts where the first block is held.
     """
     plan = checked_plan(model, cfg)
     head = head_of(model, plan)
+    first_block = next((n for n, style in plan.items() if style == "colwise" and n != head
+                        and isinstance(model.get_submodule(n), nn.Linear)), None)
+    cut_here = held is None or (first_block is not None and held(first_block))
+    plan = {n: style for n, style in plan.items() if held is None or held(n)}
     sp = cfg.sequence_parallel
     counts = dict.fromkeys(TP_COMM_KEYS, 0)
 
@@ -390,7 +397,7 @@ def expected_tp_comm(model: nn.Module, cfg: TPConfig, tokens: int, accum: int, p
         if style == "colwise" and name != head and isinstance(module, nn.Linear):
             parents.setdefault(name.rpartition(".")[0], module.in_features)
     reduce = "reduce_scatter" if sp else "allreduce"
-    if sp and parents:  # the first block's input cut: its gradient all-gathered in backward
+    if sp and parents and cut_here:  # the first block's input cut: its gradient all-gathered in backward
         add("all_gather", tokens * next(iter(parents.values())), param_bytes, accum)
     for name, style in plan.items():
         module = model.get_submodule(name)
