@@ -1,10 +1,12 @@
 """``dist.pp.size`` > 1: the model cut into pipeline stages, run by torch's schedules, exact.
 
-The mesh is pp x replicate x shard (``config.MeshShape``): each of the ``pp``
-stage groups holds some of the model's stages, sharded or replicated over its
-data-parallel ranks as fsdp, hsdp or ddp would (ddp as FSDP2 with shard groups
-of one rank, as under tensor parallelism). The ranks that differ in their
-stage group alone see the same micro-batches.
+The mesh is pp x replicate x shard x tp (``config.MeshShape``): each of the ``pp``
+stage groups holds some of the model's stages, cut by its tp plan over each tp
+group, and sharded or replicated over its data-parallel ranks as fsdp, hsdp or
+ddp would (ddp as FSDP2 with shard groups of one rank, as under tensor
+parallelism). The ranks that differ in their stage group alone see the same
+micro-batches, so each stage reads a micro-batch's attention mask and position
+ids from its own copy of the batch; only the stream is sent.
 
 Stages. The blocks (``dist.blocks``) are cut into ``size x stages_per_rank``
 stages, evenly (``dist.pp.split=auto``) or where the named blocks begin; the
@@ -43,8 +45,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.tensor import DTensor
 
 from ..checkpoint import load_shards
 from ..config import ConfigError, DistConfig, MeshShape
