@@ -168,9 +168,10 @@ def pp_stage_groups(cfg: Config, model: nn.Module) -> List[Dict[str, Any]]:
     """Per stage group (pp rank): its stages, their blocks, and the parameters of each FSDP unit it holds
     (each held block's, then each stage's root: the first stage's embedding, the last's norm and head, a tied
     weight copied into the last)."""
-    from .parallel.pp import cut_stages, stage_indices
+    from .parallel.pp import check_stage_api, cut_stages, stage_indices
 
     pp, per_rank = cfg.dist.pp.size, cfg.dist.pp.stages_per_rank
+    check_stage_api(model, pp)  # plan mode fails as training would
     blocks = find_blocks(model, cfg.dist.blocks)
     names = {id(m): n for n, m in model.named_modules()}
     block_names = [names[id(b)] for b in blocks]

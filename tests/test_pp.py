@@ -312,6 +312,18 @@ def test_pp_unsupported_combinations_are_config_errors(change, key):
         validate(cfg, 4)
 
 
+def test_a_model_without_stages_is_a_config_error_in_plan_mode_as_in_training():
+    from dist_trainer.hf.models import hf_model
+    from dist_trainer.plan import pp_stage_groups
+    from test_hf_models import GPT2
+
+    cfg = _pp(_model(8))
+    gpt2 = hf_model("causal_lm", "gpt2", {**GPT2, "vocab_size": 256}, block_size=24)  # transformer.h: not a stage layout
+    with pytest.raises(ConfigError, match=r"dist\.pp\.size=2: the model GPT2LMHeadModel .* does not declare its "
+                                          r"pipeline stages"):
+        pp_stage_groups(cfg, gpt2)
+
+
 def test_pp_too_few_micro_batches_names_batch_and_pp_keys():
     cfg = _pp(_model(16), size=4)  # 1 data rank x micro 16 x accum 2: 1f1b on 4 stages needs 4
     with pytest.raises(ConfigError, match=r"batch\.accum_steps=2.*dist\.pp\.schedule=1f1b.*Valid accum steps near it"):

@@ -65,6 +65,15 @@ SIDE_INPUTS = ("attention_mask", "position_ids")  # per micro-batch, read by eve
 IGNORE_INDEX = -100
 
 
+def check_stage_api(model: nn.Module, pp: int) -> None:
+    """ConfigError naming dist.pp.size unless the model declares its stages (``STAGE_API``)."""
+    if not all(hasattr(model, a) for a in STAGE_API):
+        raise ConfigError(f"dist.pp.size={pp}: the model {getattr(model, 'name', type(model).__name__)} does not "
+                          f"declare its pipeline stages ({', '.join(STAGE_API)}; the built-in GPT and "
+                          "model=hf_causal_lm decoders laid out as Llama's, such as llama, qwen2 and mistral, do): "
+                          "set dist.pp.size=1")
+
+
 def stage_indices(pp_rank: int, pp: int, per_rank: int) -> List[int]:
     """The stages stage group ``pp_rank`` holds: ``r, r + pp, ...`` (the first on group 0, the last on pp - 1)."""
     return [pp_rank + k * pp for k in range(per_rank)]
@@ -232,11 +241,7 @@ class PipelineStrategy(FSDPStrategy):
     def __init__(self, model: nn.Module, env: DistEnv, cfg: DistConfig, mesh: MeshShape, precision: Precision,
                  compile: bool = False):
         pp, per_rank, schedule = mesh.pp, cfg.pp.stages_per_rank, cfg.pp.schedule
-        if not all(hasattr(model, a) for a in STAGE_API):
-            raise ConfigError(f"dist.pp.size={pp}: the model {getattr(model, 'name', type(model).__name__)} does not "
-                              f"declare its pipeline stages ({', '.join(STAGE_API)}; the built-in GPT and "
-                              "model=hf_causal_lm decoders laid out as Llama's, such as llama, qwen2 and mistral, "
-                              "do): set dist.pp.size=1")
+        check_stage_api(model, pp)
         model = model.to(env.device)
         self.env, self.mesh, self.precision = env, mesh, precision
         dims = (("pp", pp), ("replicate", mesh.replicate), ("shard", mesh.shard), *((("tp", mesh.tp),) * (mesh.tp > 1)))
