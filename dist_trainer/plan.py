@@ -217,8 +217,8 @@ def pp_expected(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
         for unit in g["units"]:
             gathered, grad = unit_bytes(unit, S, precision, cut)
             add_unit_comm(counts, mesh, gathered, grad, 1, 1)
-            gathered_all, grads_all = gathered_all + S * gathered, grads_all + S * unit_bytes(unit, S, precision,
-                                                                                               grad_cut)[1]
+            _, held_grad = unit_bytes(unit, S, precision, grad_cut)  # what the rank holds, not what it reduces
+            gathered_all, grads_all = gathered_all + S * gathered, grads_all + S * held_grad
         if g["first"] or g["last"]:  # the first stage on group 0, the last on group pp - 1
             for p in tied:
                 counts["allreduces"] += 1
@@ -227,7 +227,7 @@ def pp_expected(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
             roots = [b for blocks in g["blocks"] for b in blocks] + \
                 (list(model.pp_first) if g["first"] else []) + (list(model.pp_last) if g["last"] else [])
             held = lambda name, roots=roots: any(name == r or name.startswith(r + ".") for r in roots)  # noqa: E731
-            for key, value in tp_comm(cfg, plan, model, precision, held).items():
+            for key, value in tp_comm(cfg, plan, model, precision, held, tokens).items():
                 counts[key] += value
                 counts[key[len("tp_"):]] += value
         for s in g["stages"]:
@@ -264,14 +264,15 @@ def _micro_batch_tokens(cfg: Config, plan: BatchPlan, model: nn.Module) -> int:
 
 
 def tp_comm(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision,
-            held: Optional[Callable[[str], bool]] = None) -> Dict[str, int]:
+            held: Optional[Callable[[str], bool]] = None, tokens: Optional[int] = None) -> Dict[str, int]:
     """The tp collectives of one full step, for micro-batches of whole sequences (``_micro_batch_tokens``).
-    Padded batches of shorter sequences send less. ``held``: the modules that count (a stage group's)."""
+    Padded batches of shorter sequences send less. ``held``: the modules that count (a stage group's);
+    ``tokens``: a micro-batch's, where it is not the data's (pipeline stages run at the model's block_size)."""
     param_bytes = (precision.param_dtype or torch.float32).itemsize
     linear_bytes = precision.autocast_dtype.itemsize if precision.autocast_dtype is not None else param_bytes
     blocks = find_blocks(model, cfg.dist.blocks) if cfg.dist.activation_checkpointing else []
     names = {id(m): name for name, m in model.named_modules()}
-    return expected_tp_comm(model, cfg.dist.tp, _micro_batch_tokens(cfg, plan, model), plan.accum_steps,
+    return expected_tp_comm(model, cfg.dist.tp, tokens or _micro_batch_tokens(cfg, plan, model), plan.accum_steps,
                             param_bytes, linear_bytes, [names[id(b)] for b in blocks],
                             plan.accum_steps if cfg.dist.fsdp.accum_sync == "every" else 1, held)
 
