@@ -24,14 +24,13 @@ about a GPU cluster; the counted bytes say what crosses the wire.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_description, run_dist_trainer  # noqa: E402
+from common import machine_description, rounds_parser, run_dist_trainer  # noqa: E402
 
 MIB = 2**20
 NODES, PER_NODE = 8, 8
@@ -121,13 +120,7 @@ def speed_part(rounds: int, warmup: int, timed: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=("all", "plan", "speed"), default="all")
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--timed", type=int, default=10)
-    parser.add_argument("--json", help="also write every number to this file")
-    args = parser.parse_args()
+    args = rounds_parser(__doc__, ("plan", "speed")).parse_args()
     print(machine_description(), flush=True)
     out = {}
     if args.part in ("all", "plan"):

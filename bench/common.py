@@ -205,6 +205,19 @@ def run_dist_trainer_with_plan(overrides: Sequence[str], steps: int, nproc: int 
                 json.loads((run_dir / "plan.json").read_text()))
 
 
+def rounds_parser(doc: str, parts: Sequence[str] = (), timed: int = 10) -> argparse.ArgumentParser:
+    """The command line of a benchmark of modes alternated over rounds: ``--part`` (when it has ``parts``),
+    ``--rounds``, ``--warmup`` and ``--timed`` steps, ``--json``; a script adds its own."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if parts:
+        parser.add_argument("--part", choices=("all", *parts), default="all")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--timed", type=int, default=timed)
+    parser.add_argument("--json", help="also write every number to this file")
+    return parser
+
+
 def runner_args() -> argparse.Namespace:
     """The command line every per-framework runner takes: timed steps and where to write the times."""
     parser = argparse.ArgumentParser()

@@ -22,14 +22,13 @@ AdamW, fp32 unless said), and every number comes from its metrics.jsonl:
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_description, run_dist_trainer  # noqa: E402
+from common import machine_description, rounds_parser, run_dist_trainer  # noqa: E402
 
 MIB = 2**20
 STRATEGIES = {"ddp": ["dist.strategy=ddp"], "fsdp last": ["dist.strategy=fsdp", "dist.fsdp.accum_sync=last"],
@@ -103,13 +102,8 @@ def ac_part(rounds: int, warmup: int, timed: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=("all", "memory", "speed", "ac"), default="all")
+    parser = rounds_parser(__doc__, ("memory", "speed", "ac"))
     parser.add_argument("--steps", type=int, default=3, help="memory part: optimizer steps per run")
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--timed", type=int, default=10)
-    parser.add_argument("--json", help="also write every number to this file")
     args = parser.parse_args()
     print(machine_description(), flush=True)
     out = {}

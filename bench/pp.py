@@ -23,14 +23,13 @@ with the sends per step.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_description, run_dist_trainer_with_plan  # noqa: E402
+from common import machine_description, rounds_parser, run_dist_trainer_with_plan  # noqa: E402
 
 MODES = {
     "ddp": ["batch.micro_batch_size=16"],
@@ -50,12 +49,7 @@ def _mib(n: float) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--timed", type=int, default=10)
-    parser.add_argument("--json", help="also write every number to this file")
-    args = parser.parse_args()
+    args = rounds_parser(__doc__).parse_args()
     print(machine_description(), flush=True)
     print(f"\n2 ranks, global 64 x 64 bytes; {args.warmup} warm-up + {args.timed} timed steps, modes alternated "
           f"over {args.rounds} rounds; medians over the timed steps\n", flush=True)

@@ -23,7 +23,6 @@ storage once), measured in 4 spawned ranks built as a run builds them.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -31,7 +30,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_description, run_dist_trainer  # noqa: E402
+from common import machine_description, rounds_parser, run_dist_trainer  # noqa: E402
 
 WORLD = 4
 BASE = ["batch.micro_batch_size=16", "batch.global_batch_size=64"]
@@ -146,13 +145,7 @@ def _spawned(rank: int, world: int, tmp: str, keys: list, out: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=("all", "speed", "memory"), default="all")
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--timed", type=int, default=8)
-    parser.add_argument("--json", help="also write every number to this file")
-    args = parser.parse_args()
+    args = rounds_parser(__doc__, ("speed", "memory"), timed=8).parse_args()
     print(machine_description(), flush=True)
     out = {}
     if args.part in ("all", "memory"):
