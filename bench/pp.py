@@ -9,12 +9,14 @@ same global batch of 64 sequences of 64 bytes (bench/common.py's job):
 
 * ddp: 2 data-parallel ranks x micro 16 x accum 2;
 * pp 2 (one stage group per rank, one data-parallel rank): gpipe and 1f1b with 4 and 8 micro-batches
-  (micro 16 and 8), interleaved 1f1b with 2 stages a rank (4 stages of one block) with 4 and 8.
+  (micro 16 and 8), interleaved 1f1b and zero bubble (ZBV: stages placed in a V, the backward split into
+  input and weight passes) with 2 stages a rank (4 stages of one block) with 4 and 8.
 
 Each mode is a real ``torchrun -m dist_trainer`` run; the modes alternate over rounds and each reports the
 median over its timed steps of ``step_time_s`` and of each stage group's ``pp_idle_frac`` (its rank's
 schedule wall time not spent in a stage's forward or backward: the bubble and the waits for the peer),
-beside ``pp_bubble`` ((p - 1) / (m + p - 1); interleaving v stages a rank: (p - 1) / (v m + p - 1)).
+beside ``pp_bubble`` ((p - 1) / (m + p - 1); interleaving v stages a rank: (p - 1) / (v m + p - 1); zero
+bubble: torch's order simulated with a unit of time per forward, backward to the input and to the weights).
 Two ranks on two cores: a stage's idle time is time the other stage's rank can use, so the step time
 gains less from a small bubble than a GPU pair would; the ratio to ddp measures the machinery's cost here.
 State per stage group is plan.json's ``pp_stage_groups`` (equal to the run's counters, tests/test_pp.py),
@@ -41,6 +43,10 @@ MODES = {
                             "batch.micro_batch_size=16"],
     "interleaved x2, m 8": ["dist.pp.size=2", "dist.pp.schedule=interleaved_1f1b", "dist.pp.stages_per_rank=2",
                             "batch.micro_batch_size=8"],
+    "zero bubble V, m 4": ["dist.pp.size=2", "dist.pp.schedule=zero_bubble", "dist.pp.stages_per_rank=2",
+                           "batch.micro_batch_size=16"],
+    "zero bubble V, m 8": ["dist.pp.size=2", "dist.pp.schedule=zero_bubble", "dist.pp.stages_per_rank=2",
+                           "batch.micro_batch_size=8"],
 }
 
 

@@ -139,6 +139,11 @@ class TPConfig:
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 
 
+def pp_v_shape(pp: "PPConfig") -> bool:
+    """Whether the stages are placed in a V (ZBV: zero_bubble with 2 stages a rank), not a loop."""
+    return pp.schedule == "zero_bubble" and pp.stages_per_rank == 2
+
+
 @dataclass
 class PPConfig:
     # Pipeline stages (the outermost mesh dimension); 1: none. The step's micro-batches
@@ -260,6 +265,9 @@ class MeshShape:
     shard: int
     tp: int = 1
     pp: int = 1
+    # The stages' placement: stage group r holds stages r, r + pp, ... (loop), or r and 2 pp - 1 - r (the V of
+    # dist.pp.schedule=zero_bubble with 2 stages a rank), where the first and the last stage are both group 0's.
+    pp_v: bool = False
 
     @property
     def world_size(self) -> int:
@@ -282,7 +290,12 @@ class MeshShape:
     def counts_batch(self, rank: int) -> bool:
         """Whether ``rank``'s micro-batches count in the step's totals: one rank per tensor-parallel group,
         in the group of the last pipeline stage (which computes the loss)."""
-        return rank % self.tp == 0 and self.pp_rank(rank) == self.pp - 1
+        return rank % self.tp == 0 and self.pp_rank(rank) == self.last_stage_group
+
+    @property
+    def last_stage_group(self) -> int:
+        """The stage group holding the last stage (and the loss): pp - 1, or 0 under the V placement."""
+        return 0 if self.pp_v else self.pp - 1
 
     def data_rank(self, rank: int) -> int:
         """Which micro-batches global ``rank`` sees: the same for every rank of a tensor-parallel group and
@@ -317,7 +330,7 @@ def derive_mesh(dist: "DistConfig", world_size: int, local_world_size: int) -> M
     if pp > 1:
         # Each stage group is a mesh of its own: consecutive ranks, a node's (or part of one).
         shape = derive_mesh(replace(dist, pp=PPConfig()), world_size // pp, min(local_world_size, world_size // pp))
-        return replace(shape, pp=pp)
+        return replace(shape, pp=pp, pp_v=pp_v_shape(dist.pp))
     tp = dist.tp.size
     _check(world_size % tp == 0, "dist.tp.size", tp,
            f"must divide the world size {world_size} (one of {_divisors(world_size)})")
@@ -589,10 +602,6 @@ def _validate_pp(cfg: Config) -> None:
         return
     # What the pipeline does not combine with (yet), named by both keys, before anything is built.
     why = {
-        "dist.pp.schedule": (pp.schedule != "zero_bubble", "zero_bubble is not supported yet: torch's zero-bubble "
-                             "schedules compute weight gradients apart, for the stage's own parameters, which FSDP2 "
-                             "(every stage's wrapper here) holds sharded, so they would be lost; use 1f1b or "
-                             "interleaved_1f1b"),
         "trainer.compile": (not cfg.trainer.compile, "compiling pipeline stages is not supported: set "
                             "trainer.compile=false or dist.pp.size=1"),
         "dist.sync_batchnorm": (not d.sync_batchnorm, "is not supported with pipeline stages: set "
@@ -628,7 +637,8 @@ def pp_window_need(schedule: str, stages: int, pp: int, accum: int) -> Optional[
     """Why ``accum`` micro-batches are too few (or the wrong number) for the schedule; None if they serve."""
     if schedule == "1f1b" and accum < stages:
         return f"needs at least as many micro-batches as stages ({stages})"
-    if schedule == "interleaved_1f1b" and accum > pp and accum % max(1, accum // pp):
+    interleaved = schedule == "interleaved_1f1b" or (schedule == "zero_bubble" and stages != 2 * pp)  # not ZBV
+    if interleaved and accum > pp and accum % max(1, accum // pp):
         rounds = max(1, accum // pp)
         return f"needs a multiple of its rounds ({rounds} = accum steps // dist.pp.size={pp})"
     return None

@@ -19,11 +19,11 @@ import torch
 from hydra.utils import instantiate
 from torch import nn
 
-from .config import BatchPlan, Config, ConfigError, MeshShape, validate
+from .config import BatchPlan, Config, ConfigError, MeshShape, pp_v_shape, validate
 from .data import StepPlan, build_dataset
 from .parallel.blocks import find_blocks
 from .parallel.comm import COMM_KEYS as GRADIENT_COMM_KEYS
-from .parallel.pp import pp_bubble
+from .parallel.pp import held_along, pp_bubble, schedule_orders
 from .parallel.tp import TP_COMM_KEYS, expected_tp_comm, local_shapes, norm_activation_bytes, resolve_plan
 from .precision import Precision
 
@@ -179,13 +179,15 @@ def pp_stage_groups(cfg: Config, model: nn.Module) -> List[Dict[str, Any]]:
     cuts = cut_stages(block_names, stages, cfg.dist.pp.split, f"dist.pp.size={pp} x dist.pp.stages_per_rank={per_rank}")
     groups = []
     for r in range(pp):
-        held = stage_indices(r, pp, per_rank)
+        held = stage_indices(r, pp, per_rank, pp_v_shape(cfg.dist.pp))
         units = [list(blocks[i].parameters()) for s in held for i in cuts[s]]
+        unit_stages = [s for s in held for _ in cuts[s]]
         for s in held:
             roots = (list(model.pp_first) if s == 0 else []) + (list(model.pp_last) if s == stages - 1 else [])
             units.append([p for n in roots for p in model.get_submodule(n).parameters()])
+            unit_stages.append(s)
         groups.append({"stages": held, "blocks": [[block_names[i] for i in cuts[s]] for s in held],
-                       "units": units, "first": 0 in held, "last": stages - 1 in held})
+                       "units": units, "unit_stages": unit_stages, "first": 0 in held, "last": stages - 1 in held})
     return groups
 
 
@@ -211,15 +213,17 @@ def pp_expected(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
                           if style == "rowwise" and isinstance(model.get_submodule(name), nn.Embedding)}
     grad_cut = {k: v for k, v in cut.items() if k not in rowwise_embeddings}
     out = []
-    for g in pp_stage_groups(cfg, model):
+    for r, g in enumerate(pp_stage_groups(cfg, model)):
         counts = dict.fromkeys(COMM_KEYS + PP_COMM_KEYS + (TP_COMM_KEYS if mesh.tp > 1 else ()), 0)
-        gathered_all = grads_all = 0  # what the stage group holds unsharded at the step's peak
-        for unit in g["units"]:
+        # What the stage group holds unsharded at the step's peak: each stage's gathered parameters, gradients.
+        stage_gathered, stage_grads = dict.fromkeys(g["stages"], 0), dict.fromkeys(g["stages"], 0)
+        for unit, s in zip(g["units"], g["unit_stages"]):
             gathered, grad = unit_bytes(unit, S, precision, cut)
             add_unit_comm(counts, mesh, gathered, grad, 1, 1)
             _, held_grad = unit_bytes(unit, S, precision, grad_cut)  # what the rank holds, not what it reduces
-            gathered_all, grads_all = gathered_all + S * gathered, grads_all + S * held_grad
-        if g["first"] or g["last"]:  # the first stage on group 0, the last on group pp - 1
+            stage_gathered[s] += S * gathered
+            stage_grads[s] += S * held_grad
+        if g["first"] != g["last"]:  # the first stage on group 0, the last on another (not the V placement's 0)
             for p in tied:
                 counts["allreduces"] += 1
                 counts["allreduce_bytes"] += shard_elements(p, S, cut.get(id(p))) * 4
@@ -231,11 +235,13 @@ def pp_expected(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
                 counts[key] += value
                 counts[key[len("tp_"):]] += value
         for s in g["stages"]:
-            for kind, exists in (("send", s != stages - 1), ("recv", s != 0)):  # forward: the activation
+            # A neighbour stage on this rank (the V's turn) takes the tensor without a send.
+            apart = lambda t, held=g["stages"]: 0 <= t < stages and t not in held  # noqa: E731
+            for kind, exists in (("send", apart(s + 1)), ("recv", apart(s - 1))):  # forward: the activation
                 if exists:
                     counts[f"p2p_{kind}s"] += accum
                     counts[f"p2p_{kind}_bytes"] += accum * activation
-            for kind, exists in (("send", s != 0), ("recv", s != stages - 1)):  # backward: its gradient
+            for kind, exists in (("send", apart(s - 1)), ("recv", apart(s + 1))):  # backward: its gradient
                 if exists:
                     counts[f"p2p_{kind}s"] += accum
                     counts[f"p2p_{kind}_bytes"] += accum * activation
@@ -243,8 +249,14 @@ def pp_expected(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
         counts["step_allreduce_bytes"] = step_stats_bytes(mesh.world_size, pipeline=True)
         state = expected_state_bytes(cfg, [p for unit in g["units"] for p in unit if p.requires_grad], S, cut)
         # Every unit stays gathered (a shard group of one rank too: FSDP2 still unshards into its own buffer) and
-        # keeps its unsharded gradient from its first backward to the step's reduction.
-        held = gathered_all + (grads_all if accum > 1 else 0)
+        # keeps its unsharded gradient from its first backward to the step's reduction; under zero_bubble a
+        # stage is reduced and resharded in the step, after its last backward.
+        if cfg.dist.pp.schedule == "zero_bubble":
+            along = held_along(schedule_orders("zero_bubble", mesh.pp, cfg.dist.pp.stages_per_rank, accum)[r])
+            held = max(sum(stage_gathered[s] for s in gathered) + sum(stage_grads[s] for s in grads)
+                       for gathered, grads in along)
+        else:
+            held = sum(stage_gathered.values()) + (sum(stage_grads.values()) if accum > 1 else 0)
         out.append({"stages": g["stages"], "blocks": g["blocks"], "first": g["first"], "last": g["last"],
                     "step": counts, "state_mb": state / MIB,
                     "step_peak_state_mb": (state + held) / MIB})

@@ -4,8 +4,9 @@ One launch of 2 ranks (pp 2) runs the schedules; one of 4 (pp 2 x ddp 2, pp 2 x 
 runs it). fp32 and SGD with momentum on test_accumulation's token-unbalanced text (micro-batches whose
 token counts differ by 4x or more), so a mean of micro-batch means, or the schedule's own 1/n, fails.
 
-* split invariance within SCALE_TOL of the scale, every step, gradients and weights: gpipe, 1f1b and
-  interleaved 1f1b with 2, 4 and 8 micro-batches, clipping on; the end of the data (a short step whose
+* split invariance within SCALE_TOL of the scale, every step, gradients and weights: gpipe, 1f1b,
+  interleaved 1f1b and zero bubble (ZBV) with 2, 4 and 8 micro-batches, clipping on; interleaved zero bubble
+  with 3 stages a rank; the end of the data (a short step whose
   missing micro-batches run as placeholders); the tied embedding and head take the same update;
 * the plan: each stage group's sends, receives and collectives of step 1 and of a full step equal
   plan.json's exactly; state_mb and step_peak_state_mb as predicted; metrics carry the idle time;
@@ -107,7 +108,13 @@ def _overflow():
 
 
 SCHEDULES = [("gpipe", 1, 2), ("gpipe", 1, 8), ("1f1b", 1, 2), ("1f1b", 1, 4), ("1f1b", 1, 8),
-             ("interleaved_1f1b", 2, 2), ("interleaved_1f1b", 2, 4), ("interleaved_1f1b", 2, 8)]
+             ("interleaved_1f1b", 2, 2), ("interleaved_1f1b", 2, 4), ("interleaved_1f1b", 2, 8),
+             ("zero_bubble", 2, 2), ("zero_bubble", 2, 4), ("zero_bubble", 2, 8)]  # zero_bubble x 2: ZBV
+
+
+def _six(micro: int):
+    """6 blocks: pp 2 x 3 stages a rank, the interleaved zero-bubble schedule."""
+    return _gpt(micro, GLOBAL, n_layer=6)
 
 
 def _jobs2() -> list:
@@ -124,7 +131,10 @@ def _jobs2() -> list:
              ("overflow", _overflow(), STEPS), ("from-last/end", _pp(_end(8)), 1),
              ("llama", _clip(_pp(_hf("llama", 8))), STEPS),
              ("qwen2", _pp(_hf("qwen2", 8, tie_word_embeddings=True), schedule="interleaved_1f1b", per_rank=2), STEPS),
-             ("plan/llama", _pp(_hf("llama", 8)), 2), ("llama/padded", _pp(_longer(_hf("llama", 8))), STEPS)]
+             ("plan/llama", _pp(_hf("llama", 8)), 2), ("llama/padded", _pp(_longer(_hf("llama", 8))), STEPS),
+             ("zero_bubble/qwen2", _pp(_hf("qwen2", 8, tie_word_embeddings=True), schedule="zero_bubble",
+                                       per_rank=2), STEPS),
+             ("zero_bubble/v3/k4", _clip(_pp(_six(8), schedule="zero_bubble", per_rank=3)), STEPS)]
     return jobs
 
 
@@ -136,6 +146,7 @@ def _tp(cfg, sp: bool = True):
 def _jobs4() -> list:
     return [("ddp/k4", _clip(_pp(_model(4))), STEPS), ("fsdp/k4", _clip(_pp(_model(4), strategy="fsdp")), STEPS),
             ("fsdp/interleaved/k4", _pp(_model(4), schedule="interleaved_1f1b", per_rank=2, strategy="fsdp"), STEPS),
+            ("fsdp/zero_bubble/k4", _clip(_pp(_model(4), schedule="zero_bubble", per_rank=2, strategy="fsdp")), STEPS),
             ("tp/k4", _clip(_tp(_pp(_model(8)))), STEPS), ("tp/nosp/k4", _clip(_tp(_pp(_model(8)), sp=False)), STEPS),
             ("tp/llama", _clip(_tp(_pp(_hf("llama", 8)), sp=False)), STEPS),
             ("tp/llama/padded", _tp(_pp(_longer(_hf("llama", 8))), sp=False), STEPS)]
@@ -167,7 +178,8 @@ def refs():
                                     ("end", _end(GLOBAL), STEPS), ("from-last/end", _end(GLOBAL), 1),
                                     ("llama", _clip(_hf("llama", GLOBAL)), STEPS),
                                     ("qwen2", _hf("qwen2", GLOBAL, tie_word_embeddings=True), STEPS),
-                                    ("llama/padded", _longer(_hf("llama", GLOBAL)), STEPS)])
+                                    ("llama/padded", _longer(_hf("llama", GLOBAL)), STEPS),
+                                    ("clip6", _clip(_six(GLOBAL)), STEPS)])
 
 
 TIED = {"head.weight": "tok_emb.weight", "model.lm_head.weight": "model.model.embed_tokens.weight"}
@@ -196,13 +208,23 @@ def test_pp2_schedules_equal_one_big_batch(pp2, refs, schedule, per_rank, k):
                           f"pp 2 {schedule} x{per_rank} K={k} rank {rank}")
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "llama/padded"])
-def test_pp2_transformers_decoders_equal_one_big_batch(pp2, refs, model_type):
-    names = [set(_job(pp2, model_type, r)["params"][0]) for r in range(2)]
-    assert "model.model.embed_tokens.weight" in names[0] and "model.model.norm.weight" in names[1]
-    assert "model.lm_head.weight" in names[1]
+def test_pp2_interleaved_zero_bubble_equals_one_big_batch(pp2, refs):
     for rank in range(2):
-        _assert_stage_run(_job(pp2, model_type, rank), refs[model_type], f"pp 2 {model_type} rank {rank}")
+        run = _job(pp2, "zero_bubble/v3/k4", rank)
+        _assert_stage_run(run, refs["clip6"], f"pp 2 zero_bubble x3 rank {rank}")
+        _assert_plan(run, rank, 1)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "llama/padded", "zero_bubble/qwen2"])
+def test_pp2_transformers_decoders_equal_one_big_batch(pp2, refs, model_type):
+    # zero_bubble/qwen2: ZBV places the first and the last stage (the tied embedding and head) on rank 0
+    last = 0 if model_type.startswith("zero_bubble") else 1
+    names = [set(_job(pp2, model_type, r)["params"][0]) for r in range(2)]
+    assert "model.model.embed_tokens.weight" in names[0] and "model.model.norm.weight" in names[last]
+    assert "model.lm_head.weight" in names[last]
+    for rank in range(2):
+        _assert_stage_run(_job(pp2, model_type, rank), refs[model_type.removeprefix("zero_bubble/")],
+                          f"pp 2 {model_type} rank {rank}")
 
 
 def test_pp2_short_last_step_runs_placeholders(pp2, refs):
@@ -231,6 +253,11 @@ def test_pp2_stages_hold_their_blocks_and_the_tie(pp2):
     inter = [set(_job(pp2, "interleaved_1f1b/v2/k4", r)["params"][0]) for r in range(2)]
     assert {"blocks.0.ln_1.weight", "blocks.2.ln_1.weight"} <= inter[0]
     assert {"blocks.1.ln_1.weight", "blocks.3.ln_1.weight"} <= inter[1]
+    v = [set(_job(pp2, "zero_bubble/v2/k4", r)["params"][0]) for r in range(2)]  # ZBV: stages 0, 3 and 1, 2
+    assert {"tok_emb.weight", "blocks.0.ln_1.weight", "blocks.3.ln_1.weight", "head.weight"} <= v[0]
+    assert {"blocks.1.ln_1.weight", "blocks.2.ln_1.weight"} <= v[1] and not v[0] & v[1]
+    zb = _job(pp2, "zero_bubble/v2/k4", 0)["params"][-1]
+    assert torch.equal(zb["tok_emb.weight"], zb["head.weight"])  # the tie, summed on the one rank
 
 
 def _assert_plan(run: dict, rank: int, groups: int) -> None:
@@ -259,27 +286,36 @@ def test_pp2_fp16_overflow_on_one_stage_skips_on_every_stage(pp2):
 
 
 @pytest.mark.parametrize("job", ["1f1b/v1/k4", "gpipe/v1/k8", "interleaved_1f1b/v2/k8", "plan/bf16-mixed",
-                                 "plan/bf16-master", "plan/ac", "plan/llama", "qwen2"])
+                                 "plan/bf16-master", "plan/ac", "plan/llama", "qwen2", "zero_bubble/v2/k2",
+                                 "zero_bubble/v2/k8", "zero_bubble/qwen2"])
 def test_pp2_collectives_equal_the_plan(pp2, job):
     for rank in range(2):
         _assert_plan(_job(pp2, job, rank), rank, 1)
 
 
 def test_pp2_bubble_is_predicted():
-    from dist_trainer.parallel.pp import pp_bubble
+    from dist_trainer.parallel.pp import pp_bubble, simulated_idle
 
     assert pp_bubble("1f1b", 2, 1, 4) == pytest.approx(1 / 5)
     assert pp_bubble("gpipe", 4, 1, 8) == pytest.approx(3 / 11)
     assert pp_bubble("interleaved_1f1b", 2, 2, 4) == pytest.approx(1 / 9)
+    # The simulation of torch's orders (unit forward, backward to the input and to the weights) gives the
+    # interleaved formula for torch's interleaved 1f1b order, and for its zero-bubble orders a fraction of it.
+    for pp, v, m in [(2, 2, 4), (4, 2, 8), (4, 3, 8), (4, 2, 16)]:
+        assert simulated_idle("interleaved_1f1b", pp, v, m) == pytest.approx([pp_bubble("interleaved_1f1b", pp, v,
+                                                                                         m)] * pp)
+    assert pp_bubble("zero_bubble", 2, 2, 4) == pytest.approx(1 / 25)  # ZBV: 24 units busy of 25
+    assert pp_bubble("zero_bubble", 4, 2, 8) < pp_bubble("interleaved_1f1b", 4, 2, 8) / 2
+    assert pp_bubble("zero_bubble", 4, 3, 8) < pp_bubble("interleaved_1f1b", 4, 3, 8) / 2
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("job", ["ddp/k4", "fsdp/k4", "fsdp/interleaved/k4", "tp/k4", "tp/nosp/k4", "tp/llama",
-                                 "tp/llama/padded"])
+@pytest.mark.parametrize("job", ["ddp/k4", "fsdp/k4", "fsdp/interleaved/k4", "fsdp/zero_bubble/k4", "tp/k4",
+                                 "tp/nosp/k4", "tp/llama", "tp/llama/padded"])
 def test_pp2_by_data_parallel_or_tp_2_equals_one_big_batch_and_the_plan(pp4, refs, job):
     # tp/llama/padded: stages of the model's 32 tokens over 24-token data, so its tp collectives are of 32
     want = refs["llama/padded" if "padded" in job else "llama" if "llama" in job else
-                "clip" if "interleaved" not in job else "ref"]
+                "clip" if "interleaved" not in job else "ref"]  # fsdp/zero_bubble clips
     for rank in range(4):
         run = _job(pp4, job, rank)
         _assert_stage_run(run, want, f"{job} rank {rank}")
@@ -299,7 +335,7 @@ def test_pp2_by_fsdp2_by_tp2_on_8_ranks_equals_one_big_batch_and_the_plan(pp8, r
 # ----------------------------------------------------------------------------- configuration
 
 @pytest.mark.parametrize("change, key", [
-    (lambda c: _pp(c, schedule="zero_bubble", per_rank=2), "dist.pp.schedule"),
+    (lambda c: _pp(c, schedule="zero_bubble", per_rank=1), "dist.pp.stages_per_rank"),
     (lambda c: setattr(_pp(c).trainer, "compile", True), "trainer.compile"),
     (lambda c: setattr(_pp(c, strategy="fsdp").dist, "fsdp", dataclasses.replace(c.dist.fsdp, accum_sync="every")),
      "dist.fsdp.accum_sync"),
@@ -326,6 +362,20 @@ def test_a_model_without_stages_is_a_config_error_in_plan_mode_as_in_training():
     with pytest.raises(ConfigError, match=r"dist\.pp\.size=2: the model GPT2LMHeadModel .* does not declare its "
                                           r"pipeline stages"):
         pp_stage_groups(cfg, gpt2)
+
+
+def test_zero_bubble_stops_where_a_parameter_got_no_gradient():
+    from types import SimpleNamespace
+
+    from dist_trainer.parallel.pp import PipelineStrategy
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    model(torch.ones(1, 2)).sum().backward()
+    PipelineStrategy._check_weight_pass(SimpleNamespace(module=model))  # every gradient there
+    model[1].weight.grad = None  # what the weight pass drops, without an error of its own
+    with pytest.raises(RuntimeError, match=r"dist\.pp\.schedule=zero_bubble: 1 trainable parameters have no "
+                                           r"gradient after the schedule \(first: \['1\.weight'\]\)"):
+        PipelineStrategy._check_weight_pass(SimpleNamespace(module=model))
 
 
 def test_pp_too_few_micro_batches_names_batch_and_pp_keys():

@@ -45,11 +45,12 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                         ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 from torch.distributed.tensor import DTensor
 
 from ..checkpoint import load_shards
-from ..config import ConfigError, DistConfig, MeshShape
+from ..config import ConfigError, DistConfig, MeshShape, pp_v_shape
 from ..distributed import DistEnv
 from ..optim import decay_split
 from ..precision import Precision, frozen_names
@@ -74,8 +75,11 @@ def check_stage_api(model: nn.Module, pp: int) -> None:
                           "set dist.pp.size=1")
 
 
-def stage_indices(pp_rank: int, pp: int, per_rank: int) -> List[int]:
-    """The stages stage group ``pp_rank`` holds: ``r, r + pp, ...`` (the first on group 0, the last on pp - 1)."""
+def stage_indices(pp_rank: int, pp: int, per_rank: int, v: bool = False) -> List[int]:
+    """The stages stage group ``pp_rank`` holds: ``r, r + pp, ...`` (loop: the first on group 0, the last on
+    pp - 1), or ``r, 2 pp - 1 - r`` (``v``: ZBV's placement, the first and the last both on group 0)."""
+    if v:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + k * pp for k in range(per_rank)]
 
 
@@ -221,12 +225,88 @@ def _pad(ids: torch.Tensor, targets: torch.Tensor, side: Dict[str, torch.Tensor]
 
 def pp_bubble(schedule: str, pp: int, per_rank: int, accum: int) -> float:
     """The schedule's idle fraction: (p - 1) / (m + p - 1) for gpipe and 1f1b; interleaving v stages per rank
-    cuts the warm-up and drain by v: (p - 1) / (v m + p - 1)."""
+    cuts the warm-up and drain by v: (p - 1) / (v m + p - 1); zero_bubble's is its order's, simulated
+    (``simulated_idle``), the mean over stage groups."""
+    if schedule == "zero_bubble":
+        idle = simulated_idle(schedule, pp, per_rank, accum)
+        return sum(idle) / len(idle)
     v = per_rank if schedule != "gpipe" else 1
     return (pp - 1) / (v * accum + pp - 1)
 
 
-SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+def schedule_orders(schedule: str, pp: int, per_rank: int, accum: int) -> Dict[int, List[Any]]:
+    """The order of actions torch's multi-stage schedule gives each stage group (interleaved_1f1b, zero_bubble:
+    ZBV for 2 stages a rank, the interleaved one for more), computed as the schedule computes it on every rank
+    (None: an idle slot)."""
+    from types import SimpleNamespace
+
+    if schedule == "zero_bubble" and per_rank == 2:
+        cls, attrs = ScheduleZBVZeroBubble, {"pp_group_size": pp, "num_stages": 2 * pp, "_n_microbatches": accum}
+    else:
+        rounds = max(1, accum // pp)
+        cls = ScheduleInterleavedZeroBubble if schedule == "zero_bubble" else ScheduleInterleaved1F1B
+        attrs = {"pp_group_size": pp, "n_local_stages": per_rank, "_n_microbatches": accum,
+                 "number_of_rounds": rounds, "microbatches_per_round": accum // rounds}
+    return {r: cls._calculate_single_rank_operations(SimpleNamespace(**attrs), r) for r in range(pp)}
+
+
+# A unit of time per forward, per backward to the input (I) and per backward to the weights (W); a full
+# backward (B) is both: the zero-bubble paper's model, in which 1f1b's bubble is (p - 1) / (m + p - 1).
+ACTION_COST = {"F": 1, "I": 1, "W": 1, "B": 2}
+
+
+def simulated_idle(schedule: str, pp: int, per_rank: int, accum: int) -> List[float]:
+    """Each stage group's idle fraction of the step under ``schedule_orders``: its actions run in their order,
+    each when its input is ready (a forward after the previous stage's forward of that micro-batch, a backward
+    after the next stage's backward, the last stage's after its forward), at ``ACTION_COST``; sends take no
+    time. Idle is the share of the step's length a group does not compute. (For interleaved_1f1b this gives
+    its formula.)"""
+    orders = {r: [a for a in actions if a is not None]
+              for r, actions in schedule_orders(schedule, pp, per_rank, accum).items()}
+    last = pp * per_rank - 1
+    done: Dict[Tuple[int, str, int], float] = {}  # (stage, "F" or "B", micro-batch) -> when it ended
+    clock, busy, at = [0.0] * pp, [0.0] * pp, [0] * pp
+    while any(at[r] < len(orders[r]) for r in range(pp)):
+        moved = False
+        for r in range(pp):
+            while at[r] < len(orders[r]):
+                a = orders[r][at[r]]
+                kind, s, m = a.computation_type.value, a.stage_index, a.microbatch_index
+                need = ((s - 1, "F", m) if kind == "F" and s > 0 else
+                        ((s + 1, "B", m) if s < last else (s, "F", m)) if kind in ("I", "B") else None)
+                if need is not None and need not in done:
+                    break
+                start = max(clock[r], done[need] if need is not None else 0.0)
+                clock[r] = start + ACTION_COST[kind]
+                busy[r] += ACTION_COST[kind]
+                if kind != "W":
+                    done[(s, "F" if kind == "F" else "B", m)] = clock[r]
+                at[r] += 1
+                moved = True
+        if not moved:
+            raise RuntimeError(f"torch's {schedule} order deadlocks for pp {pp} x {per_rank} with {accum} "
+                               "micro-batches")
+    span = max(clock)
+    return [1 - b / span for b in busy]
+
+
+def held_along(order: Sequence[Any]) -> List[Tuple[set, set]]:
+    """After each action of a stage group's order: the stages it holds gathered, and those whose unsharded
+    gradients it holds. torch's runtime gathers every stage at the step's start, and reduces a stage's gradients
+    and reshards it right after its last backward that makes them (W, or a full B); they live from its first."""
+    acts = [a for a in order if a is not None]
+    made = [i for i, a in enumerate(acts) if a.computation_type.value in ("W", "B")]
+    first = {acts[i].stage_index: i for i in reversed(made)}
+    last = {acts[i].stage_index: i for i in made}
+    return [({s for s in last if last[s] >= i}, {s for s in last if first[s] <= i <= last[s]})
+            for i in range(len(acts))]
+
+
+def schedule_class(schedule: str, per_rank: int) -> Any:
+    """torch's schedule for ``dist.pp.schedule`` (zero_bubble: ZBV with 2 stages a rank, else interleaved)."""
+    if schedule == "zero_bubble":
+        return ScheduleZBVZeroBubble if per_rank == 2 else ScheduleInterleavedZeroBubble
+    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}[schedule]
 
 
 class PipelineStrategy(FSDPStrategy):
@@ -251,7 +331,7 @@ class PipelineStrategy(FSDPStrategy):
         self.pp_group = root["pp"].get_group()
         self.pp_rank = mesh.pp_rank(env.rank)
         stages = pp * per_rank
-        self.stage_ids = stage_indices(self.pp_rank, pp, per_rank)
+        self.stage_ids = stage_indices(self.pp_rank, pp, per_rank, pp_v_shape(cfg.pp))
         blocks = find_blocks(model, cfg.blocks)
         block_name = {id(m): n for n, m in model.named_modules()}
         names = [block_name[id(b)] for b in blocks]
@@ -282,7 +362,11 @@ class PipelineStrategy(FSDPStrategy):
         self.views = [StageModule(model, s, [b for i, b in enumerate(blocks) if i in cuts[s]], s == 0,
                                   s == stages - 1) for s in self.stage_ids]
         policy = mp_policy(precision)
-        after_forward = cfg.fsdp.reshard == "micro_batch"  # a ConfigError under fsdp; shard groups of one gather nothing
+        # micro_batch is a ConfigError under fsdp; under ddp, shard groups of one gather nothing. zero_bubble keeps
+        # every unit gathered from forward to its weight pass: torch's backward to the input finds the parameters
+        # the weight pass computes gradients for in the stage module, and finds none if they were resharded (their
+        # gradients would be lost without an error).
+        after_forward = cfg.fsdp.reshard == "micro_batch" and schedule != "zero_bubble"
         for unit in [*held_blocks, *self.views]:  # each block in one stage; each stage a root over the rest
             fully_shard(unit, mesh=dmesh, reshard_after_forward=after_forward, mp_policy=policy)
         self.units: List[FSDPModule] = [m for v in self.views for m in v.modules() if isinstance(m, FSDPModule)]
@@ -315,11 +399,14 @@ class PipelineStrategy(FSDPStrategy):
 
     def _tie_groups(self) -> Optional[dist.ProcessGroup]:
         """The group of the first and last stage's ranks at this rank's data-parallel position (every rank makes
-        every group, in one order, as torch requires); None on ranks in neither."""
-        pp, per = self.mesh.pp, self.mesh.stage_ranks
+        every group, in one order, as torch requires); None on ranks in neither, and where one stage group holds
+        both stages (the V placement: the copies are summed on the rank)."""
+        per, last = self.mesh.stage_ranks, self.mesh.last_stage_group
+        if last == 0:
+            return None
         mine = None
         for offset in range(per):
-            ranks = [offset, (pp - 1) * per + offset]
+            ranks = [offset, last * per + offset]
             group = dist.new_group(ranks)
             if self.env.rank in ranks:
                 mine = group
@@ -353,7 +440,7 @@ class PipelineStrategy(FSDPStrategy):
             out = meta(mb, seq, vocab) if s == self.n_stages - 1 else meta(mb, stream_seq, width)
             stages.append(_CountingStage(view, s, self.n_stages, self.env.device, input_args=inp, output_args=out,
                                          group=self.pp_group, counts=self.counts, meter=self.meter))
-        cls = SCHEDULE_CLASSES[self.schedule_name]
+        cls = schedule_class(self.schedule_name, self.per_rank)
         self.bubble = pp_bubble(self.schedule_name, self.mesh.pp, self.per_rank, n)
         try:
             self.schedule = cls(stages[0] if self.per_rank == 1 else stages, n_microbatches=n, loss_fn=self._loss,
@@ -380,8 +467,21 @@ class PipelineStrategy(FSDPStrategy):
             self.schedule.step(inputs, target=targets, return_outputs=False)
         self.pp_schedule_s = time.perf_counter() - began
         self.pp_idle_s = max(self.pp_schedule_s - (self.counts["compute_s"] - compute0), 0.0)
+        if self.schedule_name == "zero_bubble":
+            self._check_weight_pass()
         self._sum_tied_grads()
         return self._totals(self._losses)
+
+    def _check_weight_pass(self) -> None:
+        """torch's zero-bubble weight pass computes gradients for the parameters that its backward to the input
+        found in the stage, and drops any other without an error (a parameter resharded between forward and
+        backward, or one the forward does not use). Every trainable parameter of this rank's stages has its
+        gradient after the schedule, or the step stops here, before the optimizer."""
+        missing = [n for n, p in self.module.named_parameters() if p.requires_grad and p.grad is None]
+        if missing:
+            raise RuntimeError(f"dist.pp.schedule=zero_bubble: {len(missing)} trainable parameters have no gradient "
+                               f"after the schedule (first: {missing[:3]}); zero_bubble needs every parameter used "
+                               "in each stage's forward: use dist.pp.schedule=interleaved_1f1b")
 
     def _totals(self, losses: List[Tuple[torch.Tensor, torch.Tensor]]) -> Tuple[torch.Tensor, torch.Tensor]:
         """The summed loss and items of the micro-batches the last stage recorded (zeros on other stages), float64."""
@@ -418,7 +518,11 @@ class PipelineStrategy(FSDPStrategy):
         first stage group holds one, the last the other."""
         for a, b in self.tie_pairs:
             mine = [p for p in (a, b) if p is not None and p.grad is not None]
-            if mine:
+            if len(mine) == 2:  # both copies on this rank (the V placement)
+                total = local_tensor(a.grad) + local_tensor(b.grad)
+                local_tensor(a.grad).copy_(total)
+                local_tensor(b.grad).copy_(total)
+            elif mine:
                 grad = local_tensor(mine[0].grad)
                 self._comm_extra["allreduces"] += 1
                 self._comm_extra["allreduce_bytes"] += grad.numel() * grad.element_size()
