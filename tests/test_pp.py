@@ -401,15 +401,23 @@ def _jobs(root: Path, runs: list) -> None:
 
 @pytest.mark.slow
 def test_pp_checkpoints_resume_across_pp_degrees(tmp_path):
-    _jobs(tmp_path, [("one", 1, []), ("pp", 2, ["dist.pp.size=2"]), ("pptp", 4, ["dist.pp.size=2", "dist.tp.size=2"])])
+    zbv = ["model.n_layer=4", "dist.pp.size=2", "dist.pp.schedule=zero_bubble", "dist.pp.stages_per_rank=2"]
+    _jobs(tmp_path, [("one", 1, []), ("pp", 2, ["dist.pp.size=2"]), ("pptp", 4, ["dist.pp.size=2", "dist.tp.size=2"]),
+                     ("one4", 1, ["model.n_layer=4"]), ("zbv", 2, zbv),
+                     ("inter", 2, ["model.n_layer=4", "dist.pp.size=2", "dist.pp.schedule=interleaved_1f1b",
+                                   "dist.pp.stages_per_rank=2"])])
     one, pp = metrics(tmp_path / "one"), metrics(tmp_path / "pp")
+    assert [r["loss"] for r in metrics(tmp_path / "zbv")] == pytest.approx([r["loss"] for r in metrics(tmp_path / "one4")],
+                                                                           rel=1e-5)
     assert [r["loss"] for r in metrics(tmp_path / "pptp")] == pytest.approx([r["loss"] for r in one], rel=1e-5)
     assert [r["loss"] for r in pp] == pytest.approx([r["loss"] for r in one], rel=1e-5)
     assert pp[-1]["eval_loss"] == pytest.approx(one[-1]["eval_loss"], rel=1e-5)
     assert pp[0]["pp_bubble"] == pytest.approx(1 / 5) and len(pp[0]["pp_idle_s"]) == 2
     resumes = (("pp_same", "pp", 2, ["dist.pp.size=2"]), ("pp_to_one", "pp", 1, []),
                ("one_to_pp", "one", 2, ["dist.pp.size=2"]), ("pptp_same", "pptp", 4, ["dist.pp.size=2", "dist.tp.size=2"]),
-               ("pp_to_pptp", "pp", 4, ["dist.pp.size=2", "dist.tp.size=2"]), ("pptp_to_one", "pptp", 1, []))
+               ("pp_to_pptp", "pp", 4, ["dist.pp.size=2", "dist.tp.size=2"]), ("pptp_to_one", "pptp", 1, []),
+               ("zbv_same", "zbv", 2, zbv), ("zbv_to_one", "zbv", 1, ["model.n_layer=4"]),
+               ("one_to_zbv", "one4", 2, zbv), ("inter_to_one", "inter", 1, ["model.n_layer=4"]))
     for name, src, _, _ in resumes:  # each resumes from its source's step-2 checkpoint
         shutil.copytree(ckpt(tmp_path / src, 2), ckpt(tmp_path / name, 2))
     _jobs(tmp_path, [(name, ranks, extra) for name, _, ranks, extra in resumes])
@@ -417,8 +425,14 @@ def test_pp_checkpoints_resume_across_pp_degrees(tmp_path):
     assert set(mine) == set(whole)  # exported whole: every stage's tensors, the tied head too
     assert_bit_identical(tmp_path / "pp_same", tmp_path / "pp")  # pp 2 resumed on pp 2
     assert_bit_identical(tmp_path / "pptp_same", tmp_path / "pptp")  # pp 2 x tp 2 resumed on pp 2 x tp 2
+    assert_bit_identical(tmp_path / "zbv_same", tmp_path / "zbv")  # the V placement resumed on itself
     for name in ("pp", "pp_to_one", "one_to_pp", "pptp", "pp_to_pptp", "pptp_to_one"):
         assert_all_close_scaled(final_params(tmp_path / name), whole, name)
+    whole4 = final_params(tmp_path / "one4")
+    # inter_to_one: the stage groups name their parameters rank by rank (blocks 0, 2 | 1, 3), not in the model's
+    # order, by which one process's optimizer pairs its state with its parameters
+    for name in ("zbv", "zbv_to_one", "one_to_zbv", "inter", "inter_to_one"):
+        assert_all_close_scaled(final_params(tmp_path / name), whole4, name)
 
 
 GATE_STEP = 3  # accum 4, one stage a rank: rank 1's stage forward 4 x (3 - 1) + 1 is step 3's first micro-batch

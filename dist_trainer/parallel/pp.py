@@ -549,9 +549,47 @@ class PipelineStrategy(FSDPStrategy):
             inputs, targets = self._window(group, [True] * len(group))
             self._losses, self._loss_factor = [], 1.0
             with autocast(), self._tp_context(count=False):
-                self.schedule.eval(inputs, target=targets)
+                if self.schedule_name == "zero_bubble":
+                    self._forward_only(inputs, targets)
+                else:
+                    self.schedule.eval(inputs, target=targets)
             losses += self._losses
         return self._totals(losses)
+
+    def _forward_only(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        """Every micro-batch forward through this rank's stages in stage order, the last stage's loss recorded.
+        torch's zero-bubble runtime cannot run forward alone (at the V's turn it hands a backward over in eval
+        too). Each stage waits only for a lower one, so the ranks cannot wait on each other in a circle."""
+        n, stream = self.accum_steps, self.precision.param_dtype or torch.float32
+        owner = {s: r for r in range(self.mesh.pp)
+                 for s in stage_indices(r, self.mesh.pp, self.per_rank, self.mesh.pp_v)}
+        peer = lambda s: dist.get_global_rank(self.pp_group, owner[s])  # noqa: E731
+        shape = (self.micro_batch_size, self.seq_len // self.sequence_shards, self.width)
+        xs, ts = inputs.chunk(n), targets.chunk(n)
+        here: List[torch.Tensor] = []  # the previous stage's outputs, where it is this rank's
+        sent: List[Tuple[Any, torch.Tensor]] = []
+        for view in self.views:  # in stage order
+            s, outputs = view.index, []
+            for m in range(n):
+                if s == 0:
+                    x = xs[m]
+                elif s - 1 in self.stage_ids:
+                    x = here[m]
+                else:
+                    x = torch.empty(shape, dtype=stream, device=self.env.device)
+                    dist.recv(x, src=peer(s - 1), group=self.pp_group)
+                view.chunk = m
+                y = view(x)
+                if s == self.n_stages - 1:
+                    self._loss(y, ts[m])
+                elif s + 1 in self.stage_ids:
+                    outputs.append(y)
+                else:
+                    y = y.contiguous()
+                    sent.append((dist.isend(y, dst=peer(s + 1), group=self.pp_group), y))
+            here = outputs
+        for work, _ in sent:
+            work.wait()
 
     def comm(self) -> Dict[str, int]:
         counts = super().comm()  # FSDP's collectives and, under tp, the activations'
@@ -583,11 +621,18 @@ class PipelineStrategy(FSDPStrategy):
         held = {n for n, _ in self.module.named_parameters()}
         return {b: a for a, b in self.ties if a not in held}
 
+    def _twins(self) -> Dict[str, str]:
+        """A tied weight's copy held beside the first stage's on this rank (the V placement): its optimizer state
+        is the first's (the same gradients, the same updates), saved once, under the first's name."""
+        held = {n for n, _ in self.module.named_parameters()}
+        return {b: a for a, b in self.ties if a in held and b in held}
+
     def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         model, optim = get_state_dict(self.module, optimizer, options=checkpointed(self.module))
-        alias = self._alias()
-        state = {alias.get(k, k): v for k, v in optim["state"].items()}
-        groups = [{**g, "params": [alias.get(n, n) for n in g["params"]]} for g in optim["param_groups"]]
+        alias, twins = self._alias(), self._twins()
+        state = {alias.get(k, k): v for k, v in optim["state"].items() if k not in twins}
+        groups = [{**g, "params": [alias.get(n, n) for n in g["params"] if n not in twins]}
+                  for g in optim["param_groups"]]
         every: List[Any] = [None] * self.env.world_size
         dist.all_gather_object(every, groups)  # the param_groups of the whole model, for shared.pt
         merged = [{**g, "params": list(dict.fromkeys(n for rank in every for n in rank[i]["params"]))}
@@ -597,10 +642,10 @@ class PipelineStrategy(FSDPStrategy):
     def load_checkpoint_state(self, optimizer: torch.optim.Optimizer, saved: Dict[str, Any],
                               shards: Optional[Path]) -> None:
         model, optim = get_state_dict(self.module, optimizer, options=checkpointed(self.module))
-        alias = self._alias()
+        alias, twins = self._alias(), self._twins()
         back = {v: k for k, v in alias.items()}
         if shards is not None:  # a sharded checkpoint of any mesh: DCP reshards
-            state = {"model": model, "optim": {alias.get(k, k): v for k, v in optim["state"].items()}}
+            state = {"model": model, "optim": {alias.get(k, k): v for k, v in optim["state"].items() if k not in twins}}
             load_shards(state, shards)
             model, loaded = state["model"], {back.get(k, k): v for k, v in state["optim"].items()}
             saved_groups, options = saved["param_groups"], checkpointed(self.module)
@@ -608,9 +653,13 @@ class PipelineStrategy(FSDPStrategy):
             # state by the whole model's parameter order
             model = {k: saved["model"][k] for k in model}
             named = named_optimizer_state(saved["optimizer"], self.whole_names)
-            loaded = {k: named["state"][alias.get(k, k)] for k in optim["state"] if alias.get(k, k) in named["state"]}
+            loaded = {k: named["state"][alias.get(k, k)] for k in optim["state"]
+                      if k not in twins and alias.get(k, k) in named["state"]}
             saved_groups = named["param_groups"]
             options = StateDictOptions(full_state_dict=True, strict=not frozen_names(self.module))
+        for b, a in twins.items():  # the copy's state: the first's, as saved once
+            if a in loaded:
+                loaded[b] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in loaded[a].items()}
         groups = [{**s, "params": c["params"]} for c, s in zip(optim["param_groups"], saved_groups)]  # ours, their lr
         set_state_dict(self.module, optimizer, model_state_dict=model,
                        optim_state_dict={"state": loaded, "param_groups": groups}, options=options)

@@ -43,7 +43,11 @@ def named_optimizer_state(optimizer_state: Dict[str, Any], names: List[str]) -> 
 
 def indexed_optimizer_state(names: List[str], state: Dict[str, Dict[str, torch.Tensor]],
                             groups: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """Keyed by parameter name -> torch's index-keyed optimizer state_dict, for ``names``' order."""
+    """Keyed by parameter name -> torch's index-keyed optimizer state_dict, for ``names``' order.
+
+    torch's ``load_state_dict`` pairs the saved groups' parameters with the optimizer's by position, so each
+    group lists its indices in ``names``' order, whatever order the checkpoint named them in (a pipeline's
+    stage groups name theirs rank by rank: under interleaving or the V, not the model's order)."""
     index = {name: i for i, name in enumerate(names)}
     return {"state": {index[name]: value for name, value in state.items() if value},
-            "param_groups": [{**g, "params": [index[name] for name in g["params"]]} for g in groups]}
+            "param_groups": [{**g, "params": sorted(index[name] for name in g["params"])} for g in groups]}
