@@ -23,7 +23,7 @@ from .config import BatchPlan, Config, ConfigError, MeshShape, pp_v_shape, valid
 from .data import StepPlan, build_dataset
 from .parallel.blocks import find_blocks
 from .parallel.comm import COMM_KEYS as GRADIENT_COMM_KEYS
-from .parallel.pp import held_along, pp_bubble, schedule_orders
+from .parallel.pp import held_along, pp_bubble, pp_inflight, schedule_orders
 from .parallel.tp import TP_COMM_KEYS, expected_tp_comm, local_shapes, norm_activation_bytes, resolve_plan
 from .precision import Precision
 
@@ -125,8 +125,9 @@ def add_unit_comm(counts: Dict[str, int], mesh: MeshShape, gathered: int, grad: 
 
 def step_stats_bytes(world_size: int, pipeline: bool = False) -> int:
     """The step's own all-reduce: float64 loss, items, samples, stop flag, norm share; per rank a
-    non-finite flag, its data wait and its compute time (pipeline stages: its idle and schedule seconds too)."""
-    return (5 + (5 if pipeline else 3) * world_size) * 8
+    non-finite flag, its data wait and its compute time (pipeline stages: its idle and schedule seconds and its
+    micro-batches in flight too)."""
+    return (5 + (6 if pipeline else 3) * world_size) * 8
 
 
 def expected_comm(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision) -> Dict[str, int]:
@@ -213,6 +214,7 @@ def pp_expected(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
                           if style == "rowwise" and isinstance(model.get_submodule(name), nn.Embedding)}
     grad_cut = {k: v for k, v in cut.items() if k not in rowwise_embeddings}
     out = []
+    inflight = pp_inflight(cfg.dist.pp.schedule, mesh.pp, cfg.dist.pp.stages_per_rank, accum)
     for r, g in enumerate(pp_stage_groups(cfg, model)):
         counts = dict.fromkeys(COMM_KEYS + PP_COMM_KEYS + (TP_COMM_KEYS if mesh.tp > 1 else ()), 0)
         # What the stage group holds unsharded at the step's peak: each stage's gathered parameters, gradients.
@@ -258,7 +260,7 @@ def pp_expected(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
         else:
             held = sum(stage_gathered.values()) + (sum(stage_grads.values()) if accum > 1 else 0)
         out.append({"stages": g["stages"], "blocks": g["blocks"], "first": g["first"], "last": g["last"],
-                    "step": counts, "state_mb": state / MIB,
+                    "step": counts, "state_mb": state / MIB, "inflight": inflight[r],
                     "step_peak_state_mb": (state + held) / MIB})
     return out
 
@@ -480,7 +482,8 @@ def pp_lines(numbers: Dict[str, Any]) -> List[str]:
         step = g["step"]
         lines.append(f"    stage group {r}: stages {g['stages']} (blocks {sum(len(b) for b in g['blocks'])}); sends "
                      f"{step['p2p_sends']}, {_mib(step['p2p_send_bytes'])}; receives {step['p2p_recvs']}, "
-                     f"{_mib(step['p2p_recv_bytes'])}; state {g['state_mb']:.2f} MiB")
+                     f"{_mib(step['p2p_recv_bytes'])}; state {g['state_mb']:.2f} MiB; activations of "
+                     f"{g['inflight']} micro-batches held at once")
     return lines
 
 

@@ -379,6 +379,7 @@ def step_record(outcome: StepOutcome, position: Position, trainer: Trainer, step
                                                                     outcome.pp_schedule_times[g * per:(g + 1) * per]))
                                   for g in groups]
         record["pp_bubble"] = trainer.strategy.bubble
+        record["pp_inflight"] = [int(max(outcome.pp_inflight[g * per:(g + 1) * per])) for g in groups]
     if outcome.item_form and getattr(trainer.module, "items_are_tokens", False):
         record["tokens_per_s"] = record["items_per_s"]  # the model says its items are tokens
     if mfu_basis is not None:

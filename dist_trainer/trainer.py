@@ -72,6 +72,8 @@ class StepOutcome:
     # Pipeline stages: each rank's idle seconds within the schedule, and the schedule's wall seconds, by rank.
     pp_idle_times: List[float] = field(default_factory=list)
     pp_schedule_times: List[float] = field(default_factory=list)
+    # ... and the most micro-batches whose activations each rank's stages held at once, by rank.
+    pp_inflight: List[float] = field(default_factory=list)
 
 
 def _leading_dim(batch: Any) -> int:
@@ -162,6 +164,7 @@ class Trainer:
         outcome.state_mb, outcome.step_peak_state_mb = self.state_mb, self.step_peak_state_mb
         outcome.data_times, outcome.compute_times = totals["data_times"], totals["compute_times"]
         outcome.pp_idle_times, outcome.pp_schedule_times = totals["pp_idle_times"], totals["pp_schedule_times"]
+        outcome.pp_inflight = totals["pp_inflight"]
         return outcome
 
     def _micro_batches(self, batches: List[Any], window: Window, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,7 +223,7 @@ class Trainer:
         """
         world = self.env.world_size
         pipeline = self.pipeline is not None  # two more slots a rank: idle and schedule seconds
-        stats = torch.zeros(5 + (5 if pipeline else 3) * world, dtype=torch.float64, device=self.env.device)
+        stats = torch.zeros(5 + (6 if pipeline else 3) * world, dtype=torch.float64, device=self.env.device)
         # Read the stop flag now, at the step's end: a signal that came during
         # this step stops the run after it, not after the next one.
         # The ranks of one tensor-parallel group ran the same micro-batches: the first speaks for them.
@@ -235,6 +238,7 @@ class Trainer:
         if pipeline:
             stats[5 + 3 * world + self.env.rank] = self.strategy.pp_idle_s
             stats[5 + 4 * world + self.env.rank] = self.strategy.pp_schedule_s
+            stats[5 + 5 * world + self.env.rank] = self.strategy.pp_inflight
         self._all_reduce(stats)
         values = stats.tolist()  # the step's one host sync
         bad_ranks = [r for r in range(world) if values[5 + r] > 0]
@@ -244,7 +248,8 @@ class Trainer:
                 "nonfinite": not math.isfinite(norm) or bool(bad_ranks), "stop": values[3] > 0,
                 "bad_ranks": bad_ranks,
                 "data_times": values[5 + world:5 + 2 * world], "compute_times": values[5 + 2 * world:5 + 3 * world],
-                "pp_idle_times": values[5 + 3 * world:5 + 4 * world], "pp_schedule_times": values[5 + 4 * world:],
+                "pp_idle_times": values[5 + 3 * world:5 + 4 * world],
+                "pp_schedule_times": values[5 + 4 * world:5 + 5 * world], "pp_inflight": values[5 + 5 * world:],
                 "raw_norm": norm}  # norm of the grads as they stand: scaled, not yet normalised
 
     def _apply(self, totals: dict, scale: float, step: int) -> StepOutcome:

@@ -269,6 +269,8 @@ def _assert_plan(run: dict, rank: int, groups: int) -> None:
     assert first["state_mb"] == pytest.approx(plan["state_mb"], rel=1e-9)
     assert first["step_peak_state_mb"] == pytest.approx(plan["step_peak_state_mb"], rel=1e-9)
     assert full["comm"]["p2p_sends"] > 0 and full["comm"]["p2p_recv_bytes"] > 0
+    # the micro-batches whose activations the rank's stages held at once, counted in torch's stage caches
+    assert [o["pp_inflight"][rank] for o in run["outcomes"]] == [group["inflight"]] * len(run["outcomes"])
     assert len(full["pp_idle_times"]) == run["plan_from_model"]["world_size"]
 
 

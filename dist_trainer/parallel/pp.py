@@ -156,6 +156,7 @@ class _CountingStage(PipelineStage):
     def __init__(self, *args: Any, counts: Dict[str, float], meter: PeakMeter, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.counts, self.meter = counts, meter
+        self.peers: List["_CountingStage"] = [self]  # this rank's stages
 
     def _count(self, ops: List[dist.P2POp], kind: str) -> List[dist.P2POp]:
         for op in ops:
@@ -182,6 +183,10 @@ class _CountingStage(PipelineStage):
         finally:
             self.counts["compute_s"] += time.perf_counter() - began
             self.meter.sample()  # what FSDP holds unsharded after each forward and backward (until state_mb's step)
+            # Micro-batches whose activations this rank's stages hold: forwarded, and not yet through their
+            # backward (or, after a backward to the input, their weight pass).
+            live = sum(len(s.fwd_cache) + len(s.backward_state) for s in self.peers)
+            self.counts["inflight"] = max(self.counts["inflight"], live)
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         self.submod.chunk = fwd_chunk_id  # the micro-batch whose side inputs the stage's forward takes
@@ -290,6 +295,32 @@ def simulated_idle(schedule: str, pp: int, per_rank: int, accum: int) -> List[fl
     return [1 - b / span for b in busy]
 
 
+def pp_inflight(schedule: str, pp: int, per_rank: int, accum: int) -> List[int]:
+    """Per stage group: the most micro-batches whose activations its stages hold for backward at once (a
+    stage's activation memory is this many times one micro-batch's). gpipe: every micro-batch; 1f1b: its
+    warm-up, p - r on group r; the multi-stage schedules: along torch's order, a micro-batch held from its
+    forward on a stage to its backward there (under zero_bubble, to its weight pass, which needs the graph)."""
+    if schedule == "gpipe":
+        return [accum] * pp
+    if schedule == "1f1b":
+        return [min(accum, pp - r) for r in range(pp)]
+    peaks = []
+    for r, order in schedule_orders(schedule, pp, per_rank, accum).items():
+        live: set = set()
+        peak = 0
+        for a in order:
+            if a is None:
+                continue
+            kind, key = a.computation_type.value, (a.stage_index, a.microbatch_index)
+            if kind == "F":
+                live.add(key)
+            elif kind in ("B", "W"):
+                live.discard(key)
+            peak = max(peak, len(live))
+        peaks.append(peak)
+    return peaks
+
+
 def held_along(order: Sequence[Any]) -> List[Tuple[set, set]]:
     """After each action of a stage group's order: the stages it holds gathered, and those whose unsharded
     gradients it holds. torch's runtime gathers every stage at the step's start, and reduces a stage's gradients
@@ -386,13 +417,14 @@ class PipelineStrategy(FSDPStrategy):
         self.groups = [dist.group.WORLD, *dmesh.get_all_groups(), *(tp_mesh.get_all_groups() if tp_mesh else []),
                        self.pp_group,
                        *([self._tie_group] if self._tie_group is not None else [])]
-        self.counts: Dict[str, float] = {**dict.fromkeys(P2P_KEYS, 0), "compute_s": 0.0}
+        self.counts: Dict[str, float] = {**dict.fromkeys(P2P_KEYS, 0), "compute_s": 0.0, "inflight": 0}
         self.schedule_name, self.per_rank, self.n_stages = schedule, per_rank, stages
         self.bubble: Optional[float] = None  # the predicted idle fraction, once the step's micro-batches are known
         self.schedule: Any = None  # built at the first step, from its micro-batches' shapes
         self.accum_steps = self.micro_batch_size = self.seq_len = 0  # a window's shape (the plan's; the model's
         # block_size: shorter sequences are padded)
         self.pp_idle_s = self.pp_schedule_s = 0.0  # this rank's idle and wall seconds in the last step's schedule
+        self.pp_inflight = 0  # the most micro-batches whose activations this rank held at once in it
         self._losses: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self._loss_factor = 1.0
         self._comm_extra = {"allreduces": 0, "allreduce_bytes": 0}
@@ -440,6 +472,8 @@ class PipelineStrategy(FSDPStrategy):
             out = meta(mb, seq, vocab) if s == self.n_stages - 1 else meta(mb, stream_seq, width)
             stages.append(_CountingStage(view, s, self.n_stages, self.env.device, input_args=inp, output_args=out,
                                          group=self.pp_group, counts=self.counts, meter=self.meter))
+        for stage in stages:
+            stage.peers = stages
         cls = schedule_class(self.schedule_name, self.per_rank)
         self.bubble = pp_bubble(self.schedule_name, self.mesh.pp, self.per_rank, n)
         try:
@@ -463,8 +497,10 @@ class PipelineStrategy(FSDPStrategy):
         inputs, targets = self._window(batches, counted)
         self._losses, self._loss_factor = [], factor
         began, compute0 = time.perf_counter(), self.counts["compute_s"]
+        self.counts["inflight"] = 0
         with autocast(), self._tp_context():
             self.schedule.step(inputs, target=targets, return_outputs=False)
+        self.pp_inflight = int(self.counts["inflight"])
         self.pp_schedule_s = time.perf_counter() - began
         self.pp_idle_s = max(self.pp_schedule_s - (self.counts["compute_s"] - compute0), 0.0)
         if self.schedule_name == "zero_bubble":
