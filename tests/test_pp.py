@@ -296,7 +296,7 @@ def test_pp2_collectives_equal_the_plan(pp2, job):
 
 
 def test_pp2_bubble_is_predicted():
-    from dist_trainer.parallel.pp import pp_bubble, simulated_idle
+    from dist_trainer.parallel.pp import pp_bubble, pp_inflight, simulated_idle
 
     assert pp_bubble("1f1b", 2, 1, 4) == pytest.approx(1 / 5)
     assert pp_bubble("gpipe", 4, 1, 8) == pytest.approx(3 / 11)
@@ -309,6 +309,9 @@ def test_pp2_bubble_is_predicted():
     assert pp_bubble("zero_bubble", 2, 2, 4) == pytest.approx(1 / 25)  # ZBV: 24 units busy of 25
     assert pp_bubble("zero_bubble", 4, 2, 8) < pp_bubble("interleaved_1f1b", 4, 2, 8) / 2
     assert pp_bubble("zero_bubble", 4, 3, 8) < pp_bubble("interleaved_1f1b", 4, 3, 8) / 2
+    # micro-batches held at once per stage group (the runs' counts equal these: _assert_plan)
+    assert pp_inflight("gpipe", 2, 1, 8) == [8, 8] and pp_inflight("1f1b", 4, 1, 8) == [4, 3, 2, 1]
+    assert pp_inflight("interleaved_1f1b", 2, 2, 8) == [5, 3] and pp_inflight("zero_bubble", 2, 2, 8) == [4, 4]
 
 
 @pytest.mark.slow
