@@ -203,7 +203,7 @@ def restore_rng(state: Dict[str, Any], device: torch.device) -> None:
 
 
 def save(run_dir: Path, step: int, shared: Dict[str, Any], env: DistEnv, keep: int,
-         sharded: Optional[Dict[str, Any]] = None) -> Path:
+         sharded: Optional[Dict[str, Any]] = None, keep_every: int = 0) -> Path:
     """Write one checkpoint; every rank calls this (each writes its own RNG file, and its shards).
 
     Three phases, each ending with every rank learning whether any rank failed
@@ -259,7 +259,7 @@ def save(run_dir: Path, step: int, shared: Dict[str, Any], env: DistEnv, keep: i
         shutil.rmtree(final, ignore_errors=True)  # a re-save of the same step replaces it
         os.replace(tmp, final)
         _fsync_dir(root)
-        _prune(root, keep)
+        _prune(root, keep, keep_every)
 
     _phase(env, "sealing the checkpoint", tmp, seal if env.is_main else None, shared, sharded)
     return final
@@ -329,9 +329,15 @@ def _tensor_bytes(obj: Any) -> int:
     return 0
 
 
-def _prune(root: Path, keep: int) -> None:
+def kept_for_good(path: Path, keep_every: int) -> bool:
+    """Whether ``trainer.keep_every`` keeps this checkpoint from pruning: its step is a multiple of it."""
+    return keep_every > 0 and int(path.name[len(PREFIX):]) % keep_every == 0
+
+
+def _prune(root: Path, keep: int, keep_every: int = 0) -> None:
     for old in list_checkpoints(root)[keep:]:
-        shutil.rmtree(old, ignore_errors=True)
+        if not kept_for_good(old, keep_every):
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def list_checkpoints(root: Path) -> List[Path]:
@@ -412,7 +418,7 @@ def _newest_valid(root: Path) -> tuple[Optional[Path], List[str], Dict[str, Any]
     return None, problems, {}
 
 
-def clean_up(run_dir: Path, keep: int) -> None:
+def clean_up(run_dir: Path, keep: int, keep_every: int = 0) -> None:
     """At start (rank 0): remove this run's stale temporary checkpoints and prune beyond ``keep``.
 
     A temporary directory is never a checkpoint (it was not sealed): a write
@@ -435,6 +441,8 @@ def clean_up(run_dir: Path, keep: int) -> None:
         valid += verify(path) is None
         if valid == keep:
             for old in sealed[i + 1:]:
+                if kept_for_good(old, keep_every):
+                    continue
                 log.info("removing %s: %d newer valid checkpoints are kept (trainer.keep_checkpoints)", old, keep)
                 shutil.rmtree(old, ignore_errors=True)
             return

@@ -94,6 +94,7 @@ class TrainerConfig:
     device: str = "auto"  # auto | cpu | cuda
     ckpt_every: int = 100  # optimizer steps between checkpoints (and one at the end); 0: only at the end
     keep_checkpoints: int = 3  # newest checkpoints kept
+    keep_every: int = 0  # also keep, never pruned, every checkpoint whose step is a multiple of this; 0: none
     nonfinite: str = "stop"  # fp32/bf16 non-finite gradients: stop or skip the step
     max_consecutive_skips: int = 10  # with nonfinite=skip
     # CPU runs: glibc keeps freed blocks for reuse instead of page-faulting fresh
@@ -493,6 +494,8 @@ def _validate_values(cfg: Config) -> None:
     _check(t.eval_batches >= 1, "trainer.eval_batches", t.eval_batches, "must be >= 1")
     _check(t.ckpt_every >= 0, "trainer.ckpt_every", t.ckpt_every, "must be >= 0 (0: only at the end)")
     _check(t.keep_checkpoints >= 1, "trainer.keep_checkpoints", t.keep_checkpoints, "must be >= 1")
+    _check(isinstance(t.keep_every, int) and not isinstance(t.keep_every, bool) and t.keep_every >= 0,
+           "trainer.keep_every", t.keep_every, "must be an integer >= 0 (0: only trainer.keep_checkpoints applies)")
     _check(t.device in ("auto", "cpu", "cuda"), "trainer.device", t.device, "choose auto, cpu or cuda")
     _check(t.nonfinite in NONFINITE_POLICIES, "trainer.nonfinite", t.nonfinite, f"choose one of {NONFINITE_POLICIES}")
     _check(t.max_consecutive_skips >= 1, "trainer.max_consecutive_skips", t.max_consecutive_skips, "must be >= 1")

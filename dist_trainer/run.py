@@ -184,7 +184,8 @@ def _train(cfg: Config, plan: BatchPlan, env: DistEnv, run_dir: Path, watch: Wat
         # From the built model: the meta device's first initialisation costs seconds (torch's refs).
         numbers = plan_numbers(cfg, plan, model)
         write_plan_json(numbers, run_dir / "plan.json")
-    position = resume(parts, plan, env, run_dir, cfg.trainer.seed, cfg.trainer.keep_checkpoints)
+    position = resume(parts, plan, env, run_dir, cfg.trainer.seed, cfg.trainer.keep_checkpoints,
+                      cfg.trainer.keep_every)
     trackers = start_trackers(cfg, plan, numbers, run_dir, env.is_main, position.step)
     outputs = Outputs(run_dir, env.is_main, logger_names(cfg.logger), plan.max_steps, position.step,
                       cfg.trainer.log_every, trackers)
@@ -246,10 +247,11 @@ def save_final_model(state: Dict[str, torch.Tensor], run_dir: Path, env: DistEnv
             "again in the same directory; it resumes at its end and writes final_model.pt.")
 
 
-def resume(parts: Parts, plan: BatchPlan, env: DistEnv, run_dir: Path, seed: int, keep: int = 3) -> Position:
+def resume(parts: Parts, plan: BatchPlan, env: DistEnv, run_dir: Path, seed: int, keep: int = 3,
+           keep_every: int = 0) -> Position:
     """Load the newest valid checkpoint of the run directory, if there is one."""
     if env.is_main:
-        checkpoint.clean_up(run_dir, keep)
+        checkpoint.clean_up(run_dir, keep, keep_every)
     loaded = checkpoint.load_latest(run_dir, env)
     if loaded is None:
         return Position()
@@ -273,12 +275,13 @@ def resume(parts: Parts, plan: BatchPlan, env: DistEnv, run_dir: Path, seed: int
     return position
 
 
-def save_checkpoint(parts: Parts, position: Position, env: DistEnv, run_dir: Path, keep: int) -> None:
+def save_checkpoint(parts: Parts, position: Position, env: DistEnv, run_dir: Path, keep: int,
+                    keep_every: int = 0) -> None:
     trainer_state, sharded = parts.trainer.checkpoint_state()
     # model_config: what rebuilds the model from this checkpoint alone (python -m dist_trainer.export)
     shared = {"trainer": trainer_state, "loop": asdict(position), "plan": asdict(parts.trainer.plan),
               "model_config": parts.model_config, "frozen": parts.frozen, "model_seed": parts.model_seed}
-    path = checkpoint.save(run_dir, position.step, shared, env, keep, sharded)
+    path = checkpoint.save(run_dir, position.step, shared, env, keep, sharded, keep_every)
     log.info("step %d: checkpoint %s", position.step, path)
 
 
@@ -329,7 +332,7 @@ def _loop(cfg: Config, parts: Parts, position: Position, outputs: Outputs, stop:
             outputs.write(record)
             if last or outcome.stop_requested or (tcfg.ckpt_every and step % tcfg.ckpt_every == 0):
                 watch.begin("checkpoint", step)
-                save_checkpoint(parts, position, env, run_dir, tcfg.keep_checkpoints)
+                save_checkpoint(parts, position, env, run_dir, tcfg.keep_checkpoints, tcfg.keep_every)
             if cfg.dist.check_consistency_every and step % cfg.dist.check_consistency_every == 0:
                 watch.begin("check", step)
                 check_consistency(trainer.consistency_tensors(), step)

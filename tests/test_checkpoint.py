@@ -340,6 +340,7 @@ def jobs(request, tmp_path_factory):
         bg.start("fp16_ref", FP16 + [f"trainer.max_steps={FP16_STEPS}", f"hydra.run.dir={root / 'fp16_ref'}"])
         bg.start("fp16_half", FP16 + [f"trainer.max_steps={FP16_K}", f"hydra.run.dir={root / 'fp16_half'}"])
         bg.start("keep", KEEP + [f"hydra.run.dir={root / 'keep'}"])
+        bg.start("keep_every", KEEP + ["trainer.keep_every=4", f"hydra.run.dir={root / 'keep_every'}"])
         bg.start("corrupt", CORRUPT + [f"hydra.run.dir={root / 'corrupt'}"])
         bg.start("evil", SMALL + ["trainer.max_steps=4", f"hydra.run.dir={root / 'evil'}"])
         bg.start("nan_skip", NAN_SKIP + [f"hydra.run.dir={root / 'nan_skip'}"])
@@ -759,6 +760,32 @@ def test_only_the_newest_checkpoints_are_kept(jobs):
         assert f"step {step}: checkpoint {ckpt(run_dir, step)}" in result.output  # all were written
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000008", "step_00000010"]
     assert verify(ckpt(run_dir, 8)) is None and verify(ckpt(run_dir, 10)) is None
+
+
+@uses("keep_every")
+def test_keep_every_keeps_its_steps_checkpoints_from_pruning_while_saving_and_at_start(jobs):
+    result, run_dir = jobs.result("keep_every"), jobs.root / "keep_every"  # keep 2, and every 4th step's
+    assert result.returncode == 0, result.output[-4000:]
+    names = lambda: sorted(p.name for p in (run_dir / "checkpoints").iterdir())  # noqa: E731
+    assert names() == ["step_00000004", "step_00000008", "step_00000010"]
+    # Resumed in place with keep_checkpoints=1: the start's clean-up and the next save prune step 10, not 4 or 8.
+    more = run(KEEP + ["trainer.keep_every=4", "trainer.keep_checkpoints=1", "trainer.max_steps=12",
+                       f"hydra.run.dir={run_dir}"], jobs.root)
+    assert more.returncode == 0, more.output[-4000:]
+    assert resumed_from(more.output) == str(ckpt(run_dir, 10))
+    assert names() == ["step_00000004", "step_00000008", "step_00000012"]
+    assert all(verify(ckpt(run_dir, step)) is None for step in (4, 8, 12))
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True])
+def test_a_bad_keep_every_is_a_config_error_naming_it(value):
+    from dist_trainer.config import ConfigError, validate
+    from test_hsdp import _gpt
+
+    cfg = _gpt(8)
+    cfg.trainer.keep_every = value
+    with pytest.raises(ConfigError, match=r"trainer\.keep_every"):
+        validate(cfg, 1)
 
 
 def test_a_manifest_without_every_ranks_rng_file_is_not_a_usable_checkpoint(tmp_path):
