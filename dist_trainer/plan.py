@@ -541,7 +541,9 @@ def plan_report(cfg: Config, world_size: int, local_world_size: Optional[int] = 
         *comm_lines(numbers, plan.accum_steps),
         *pp_lines(numbers),
         f"  plus 1 all-reduce of {step_stats_bytes(world_size, plan.mesh.pp > 1)} bytes (loss, item count, squared gradient norm, "
-        "skip and stop flags, each rank's data wait and compute time; step_allreduces; step 1 adds 2, of 8 and 16 bytes; the first after a resume 1, of 16)",
+        "skip and stop flags, each rank's data wait and compute time"
+        + (", its idle and schedule seconds and micro-batches in flight" if plan.mesh.pp > 1 else "")
+        + "; step_allreduces; step 1 adds 2, of 8 and 16 bytes; the first after a resume 1, of 16)",
         f"  model state per rank after an optimizer step: {state / MIB:.2f} MiB ({state} bytes; state_mb, "
         f"dist.strategy={cfg.dist.strategy}, parameters, gradients, optimizer state"
         + (", FP32 masters)" if cfg.precision.name.endswith("-master") else ")"),

@@ -185,7 +185,7 @@ class _CountingStage(PipelineStage):
             self.meter.sample()  # what FSDP holds unsharded after each forward and backward (until state_mb's step)
             # Micro-batches whose activations this rank's stages hold: forwarded, and not yet through their
             # backward (or, after a backward to the input, their weight pass).
-            live = sum(len(s.fwd_cache) + len(s.backward_state) for s in self.peers)
+            live = sum(len(s.fwd_cache) + len(getattr(s, "backward_state", ())) for s in self.peers)
             self.counts["inflight"] = max(self.counts["inflight"], live)
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
