@@ -254,9 +254,15 @@ def pp_expected(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
         # keeps its unsharded gradient from its first backward to the step's reduction; under zero_bubble a
         # stage is reduced and resharded in the step, after its last backward.
         if cfg.dist.pp.schedule == "zero_bubble":
+            # In master modes a weight pass's gradients are in the parameters' dtype until FSDP folds them into
+            # its FP32 accumulation; otherwise one tensor holds them.
+            half = (precision.param_dtype.itemsize / 4 if precision.param_dtype is not None
+                    and precision.param_dtype.itemsize != 4 else None)
+            size = {"full": 1.0, "half": half or 1.0, "both": 1.0 + half if half else 1.0}
             along = held_along(schedule_orders("zero_bubble", mesh.pp, cfg.dist.pp.stages_per_rank, accum)[r])
-            held = max(sum(stage_gathered[s] for s in gathered) + sum(stage_grads[s] for s in grads)
-                       for gathered, grads in along)
+            held = max(sum(stage_gathered[s] for s in gathered) +
+                       int(sum(stage_grads[s] * size[form] for s, form in forms.items()))
+                       for gathered, forms in along)
         else:
             held = sum(stage_gathered.values()) + (sum(stage_grads.values()) if accum > 1 else 0)
         out.append({"stages": g["stages"], "blocks": g["blocks"], "first": g["first"], "last": g["last"],

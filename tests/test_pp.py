@@ -135,6 +135,10 @@ def _jobs2() -> list:
              ("zero_bubble/qwen2", _pp(_hf("qwen2", 8, tie_word_embeddings=True), schedule="zero_bubble",
                                        per_rank=2), STEPS),
              ("zero_bubble/v3/k4", _clip(_pp(_six(8), schedule="zero_bubble", per_rank=3)), STEPS)]
+    zb_ac, zb_master = (_pp(_model(8), schedule="zero_bubble", per_rank=2) for _ in range(2))
+    zb_ac.dist.activation_checkpointing = True
+    zb_master.precision.name = "bf16-master"  # a weight pass's BF16 gradients beside FSDP's FP32 accumulation
+    jobs += [("zero_bubble/ac", zb_ac, STEPS), ("zero_bubble/bf16-master", zb_master, 2)]
     return jobs
 
 
@@ -208,11 +212,13 @@ def test_pp2_schedules_equal_one_big_batch(pp2, refs, schedule, per_rank, k):
                           f"pp 2 {schedule} x{per_rank} K={k} rank {rank}")
 
 
-def test_pp2_interleaved_zero_bubble_equals_one_big_batch(pp2, refs):
+def test_pp2_interleaved_zero_bubble_and_zbv_with_checkpointing_equal_one_big_batch(pp2, refs):
     for rank in range(2):
         run = _job(pp2, "zero_bubble/v3/k4", rank)
         _assert_stage_run(run, refs["clip6"], f"pp 2 zero_bubble x3 rank {rank}")
         _assert_plan(run, rank, 1)
+        _assert_stage_run(_job(pp2, "zero_bubble/ac", rank), refs["ref"], f"pp 2 ZBV, activation checkpointing, "
+                          f"rank {rank}")
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "llama/padded", "zero_bubble/qwen2"])
@@ -289,7 +295,8 @@ def test_pp2_fp16_overflow_on_one_stage_skips_on_every_stage(pp2):
 
 @pytest.mark.parametrize("job", ["1f1b/v1/k4", "gpipe/v1/k8", "interleaved_1f1b/v2/k8", "plan/bf16-mixed",
                                  "plan/bf16-master", "plan/ac", "plan/llama", "qwen2", "zero_bubble/v2/k2",
-                                 "zero_bubble/v2/k8", "zero_bubble/qwen2"])
+                                 "zero_bubble/v2/k8", "zero_bubble/qwen2", "zero_bubble/ac",
+                                 "zero_bubble/bf16-master"])
 def test_pp2_collectives_equal_the_plan(pp2, job):
     for rank in range(2):
         _assert_plan(_job(pp2, job, rank), rank, 1)

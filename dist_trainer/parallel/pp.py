@@ -321,16 +321,30 @@ def pp_inflight(schedule: str, pp: int, per_rank: int, accum: int) -> List[int]:
     return peaks
 
 
-def held_along(order: Sequence[Any]) -> List[Tuple[set, set]]:
-    """After each action of a stage group's order: the stages it holds gathered, and those whose unsharded
-    gradients it holds. torch's runtime gathers every stage at the step's start, and reduces a stage's gradients
-    and reshards it right after its last backward that makes them (W, or a full B); they live from its first."""
+def held_along(order: Sequence[Any]) -> List[Tuple[set, Dict[int, str]]]:
+    """After each action of a stage group's zero-bubble order: the stages it holds gathered, and the form of
+    each stage's unsharded gradients. torch's runtime gathers every stage at the step's start, and reduces a
+    stage's gradients and reshards it right after its last weight pass. A weight pass leaves gradients in
+    the parameters' dtype (``half`` in master modes) beside those already accumulated in FP32 (``both``);
+    FSDP folds them into the FP32 accumulation (``full``) at the stage's next backward to the input, or at
+    once on the first stage, whose weight pass is its whole backward."""
     acts = [a for a in order if a is not None]
     made = [i for i, a in enumerate(acts) if a.computation_type.value in ("W", "B")]
-    first = {acts[i].stage_index: i for i in reversed(made)}
     last = {acts[i].stage_index: i for i in made}
-    return [({s for s in last if last[s] >= i}, {s for s in last if first[s] <= i <= last[s]})
-            for i in range(len(acts))]
+    first_stage = min((a.stage_index for a in acts), default=0) == 0
+    forms: Dict[int, str] = {}
+    out = []
+    for i, a in enumerate(acts):
+        kind, s = a.computation_type.value, a.stage_index
+        if kind == "I" and s in forms:
+            forms[s] = "full"
+        elif kind in ("W", "B"):
+            folded_now = kind == "B" or (first_stage and s == 0)
+            forms[s] = "full" if folded_now else ("both" if s in forms else "half")
+        out.append(({t for t in last if last[t] >= i}, dict(forms)))
+        if kind in ("W", "B") and last[s] == i:
+            del forms[s]  # reduced and resharded
+    return out
 
 
 def schedule_class(schedule: str, per_rank: int) -> Any:
