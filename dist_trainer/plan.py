@@ -474,6 +474,8 @@ def comm_lines(numbers: Dict[str, Any], accum_steps: Optional[int]) -> List[str]
         step = {key: value - step.get(f"tp_{key}", 0) for key, value in step.items() if not key.startswith("tp_")}
         kind = "hsdp" if kind == "ddp" else kind  # ddp's replicas are FSDP2's shard groups of one rank
         return [*_dp_comm_lines(numbers, step, kind, accum_steps), *_tp_comm_lines(numbers["step"], tp)]
+    if numbers["mesh"].get("pp", 1) > 1 and kind == "ddp":
+        kind = "hsdp"  # as under tp: ddp's replicas are FSDP2's shard groups of one rank
     return _dp_comm_lines(numbers, step, kind, accum_steps)
 
 
@@ -510,8 +512,10 @@ def _dp_comm_lines(numbers: Dict[str, Any], step: Dict[str, int], kind: str, acc
              f"  gradient reduce-scatters per optimizer step: {step['reduce_scatters']} (over each shard group, "
              f"dist.fsdp.accum_sync={numbers['dist.fsdp.accum_sync']}), {_mib(step['reduce_scatter_bytes'])}"]
     if kind == "hsdp":
+        tied = "; and a tied weight's, between the first and last stage groups" \
+            if numbers["mesh"].get("pp", 1) > 1 else ""
         lines.append(f"  gradient all-reduces per optimizer step: {step['allreduces']} (across the "
-                     f"{numbers['mesh']['replicate']} replicas, once per step), {_mib(step['allreduce_bytes'])}")
+                     f"{numbers['mesh']['replicate']} replicas, once per step{tied}), {_mib(step['allreduce_bytes'])}")
     else:
         lines.append("  no gradient all-reduce")
     return lines
