@@ -214,7 +214,10 @@ def pp_expected(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
                           if style == "rowwise" and isinstance(model.get_submodule(name), nn.Embedding)}
     grad_cut = {k: v for k, v in cut.items() if k not in rowwise_embeddings}
     out = []
-    inflight = pp_inflight(cfg.dist.pp.schedule, mesh.pp, cfg.dist.pp.stages_per_rank, accum)
+    pp = cfg.dist.pp
+    inflight = pp_inflight(pp.schedule, mesh.pp, pp.stages_per_rank, accum)
+    orders = schedule_orders(pp.schedule, mesh.pp, pp.stages_per_rank, accum) if pp.schedule == "zero_bubble" \
+        else None
     for r, g in enumerate(pp_stage_groups(cfg, model)):
         counts = dict.fromkeys(COMM_KEYS + PP_COMM_KEYS + (TP_COMM_KEYS if mesh.tp > 1 else ()), 0)
         # What the stage group holds unsharded at the step's peak: each stage's gathered parameters, gradients.
@@ -253,16 +256,15 @@ def pp_expected(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
         # Every unit stays gathered (a shard group of one rank too: FSDP2 still unshards into its own buffer) and
         # keeps its unsharded gradient from its first backward to the step's reduction; under zero_bubble a
         # stage is reduced and resharded in the step, after its last backward.
-        if cfg.dist.pp.schedule == "zero_bubble":
+        if orders is not None:
             # In master modes a weight pass's gradients are in the parameters' dtype until FSDP folds them into
             # its FP32 accumulation; otherwise one tensor holds them.
             half = (precision.param_dtype.itemsize / 4 if precision.param_dtype is not None
                     and precision.param_dtype.itemsize != 4 else None)
             size = {"full": 1.0, "half": half or 1.0, "both": 1.0 + half if half else 1.0}
-            along = held_along(schedule_orders("zero_bubble", mesh.pp, cfg.dist.pp.stages_per_rank, accum)[r])
             held = max(sum(stage_gathered[s] for s in gathered) +
                        int(sum(stage_grads[s] * size[form] for s, form in forms.items()))
-                       for gathered, forms in along)
+                       for gathered, forms in held_along(orders[r]))
         else:
             held = sum(stage_gathered.values()) + (sum(stage_grads.values()) if accum > 1 else 0)
         out.append({"stages": g["stages"], "blocks": g["blocks"], "first": g["first"], "last": g["last"],
@@ -470,12 +472,11 @@ def comm_lines(numbers: Dict[str, Any], accum_steps: Optional[int]) -> List[str]
     if step is None:
         return ["  collectives per optimizer step: known once batch.micro_batch_size=auto has chosen the split"]
     tp = numbers["mesh"].get("tp", 1)
+    if (tp > 1 or numbers["mesh"].get("pp", 1) > 1) and kind == "ddp":
+        kind = "hsdp"  # under tp and pp, ddp's replicas are FSDP2's shard groups of one rank
     if tp > 1:  # the data-parallel dimensions' collectives first (the totals less tp's), then tp's
         step = {key: value - step.get(f"tp_{key}", 0) for key, value in step.items() if not key.startswith("tp_")}
-        kind = "hsdp" if kind == "ddp" else kind  # ddp's replicas are FSDP2's shard groups of one rank
         return [*_dp_comm_lines(numbers, step, kind, accum_steps), *_tp_comm_lines(numbers["step"], tp)]
-    if numbers["mesh"].get("pp", 1) > 1 and kind == "ddp":
-        kind = "hsdp"  # as under tp: ddp's replicas are FSDP2's shard groups of one rank
     return _dp_comm_lines(numbers, step, kind, accum_steps)
 
 
@@ -512,7 +513,7 @@ def _dp_comm_lines(numbers: Dict[str, Any], step: Dict[str, int], kind: str, acc
              f"  gradient reduce-scatters per optimizer step: {step['reduce_scatters']} (over each shard group, "
              f"dist.fsdp.accum_sync={numbers['dist.fsdp.accum_sync']}), {_mib(step['reduce_scatter_bytes'])}"]
     if kind == "hsdp":
-        tied = "; and a tied weight's, between the first and last stage groups" \
+        tied = "; and a weight tied between the first and last stage groups, where they are apart" \
             if numbers["mesh"].get("pp", 1) > 1 else ""
         lines.append(f"  gradient all-reduces per optimizer step: {step['allreduces']} (across the "
                      f"{numbers['mesh']['replicate']} replicas, once per step{tied}), {_mib(step['allreduce_bytes'])}")

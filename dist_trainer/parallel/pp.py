@@ -50,7 +50,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 from torch.distributed.tensor import DTensor
 
 from ..checkpoint import load_shards
-from ..config import ConfigError, DistConfig, MeshShape, pp_v_shape
+from ..config import ConfigError, DistConfig, MeshShape
 from ..distributed import DistEnv
 from ..optim import decay_split
 from ..precision import Precision, frozen_names
@@ -376,7 +376,7 @@ class PipelineStrategy(FSDPStrategy):
         self.pp_group = root["pp"].get_group()
         self.pp_rank = mesh.pp_rank(env.rank)
         stages = pp * per_rank
-        self.stage_ids = stage_indices(self.pp_rank, pp, per_rank, pp_v_shape(cfg.pp))
+        self.stage_ids = stage_indices(self.pp_rank, pp, per_rank, mesh.pp_v)
         blocks = find_blocks(model, cfg.blocks)
         block_name = {id(m): n for n, m in model.named_modules()}
         names = [block_name[id(b)] for b in blocks]
@@ -393,6 +393,8 @@ class PipelineStrategy(FSDPStrategy):
         self.sequence_shards = mesh.tp if self.tp is not None and cfg.tp.sequence_parallel else 1
         self.ties = untie_across(model, model.pp_first, model.pp_last)
         self.width, self.vocab = model.stage_dims()
+        self.stream_dtype = precision.param_dtype or torch.float32  # what stages send: activations, their grads
+        self.stream_shape: Tuple[int, ...] = ()  # micro-batch rows x tokens (a tp rank's shard) x width, built
         first, last = 0 in self.stage_ids, stages - 1 in self.stage_ids
         held = {i for s in self.stage_ids for i in cuts[s]}
         for i, name in enumerate(names):  # prune what this rank does not hold; names stay the whole model's
@@ -471,19 +473,18 @@ class PipelineStrategy(FSDPStrategy):
     def _build(self, seq: int) -> None:
         """torch's stages (static shapes: micro-batch rows x ``seq`` tokens) and the schedule, at the first step."""
         mb, n = self.micro_batch_size, self.accum_steps
-        stream = self.precision.param_dtype or torch.float32
-        width, vocab = self.width, self.vocab
+        stream, vocab = self.stream_dtype, self.vocab
+        # Under sequence parallelism the stream between blocks, and so between stages, is this rank's sequence
+        # shard.
+        self.stream_shape = (mb, seq // self.sequence_shards, self.width)
         # Gradients flow through the stream (requires_grad), not through token ids.
         meta = lambda *shape, dtype=stream: torch.empty(shape, dtype=dtype, device="meta",  # noqa: E731
                                                          requires_grad=dtype.is_floating_point)
         stages = []
         for view in self.views:
             s = view.index
-            # Under sequence parallelism the stream between blocks, and so between stages, is this rank's
-            # sequence shard.
-            stream_seq = seq // self.sequence_shards
-            inp = meta(mb, seq, dtype=torch.long) if s == 0 else meta(mb, stream_seq, width)
-            out = meta(mb, seq, vocab) if s == self.n_stages - 1 else meta(mb, stream_seq, width)
+            inp = meta(mb, seq, dtype=torch.long) if s == 0 else meta(*self.stream_shape)
+            out = meta(mb, seq, vocab) if s == self.n_stages - 1 else meta(*self.stream_shape)
             stages.append(_CountingStage(view, s, self.n_stages, self.env.device, input_args=inp, output_args=out,
                                          group=self.pp_group, counts=self.counts, meter=self.meter))
         for stage in stages:
@@ -610,11 +611,10 @@ class PipelineStrategy(FSDPStrategy):
         """Every micro-batch forward through this rank's stages in stage order, the last stage's loss recorded.
         torch's zero-bubble runtime cannot run forward alone (at the V's turn it hands a backward over in eval
         too). Each stage waits only for a lower one, so the ranks cannot wait on each other in a circle."""
-        n, stream = self.accum_steps, self.precision.param_dtype or torch.float32
+        n = self.accum_steps
         owner = {s: r for r in range(self.mesh.pp)
                  for s in stage_indices(r, self.mesh.pp, self.per_rank, self.mesh.pp_v)}
         peer = lambda s: dist.get_global_rank(self.pp_group, owner[s])  # noqa: E731
-        shape = (self.micro_batch_size, self.seq_len // self.sequence_shards, self.width)
         xs, ts = inputs.chunk(n), targets.chunk(n)
         here: List[torch.Tensor] = []  # the previous stage's outputs, where it is this rank's
         sent: List[Tuple[Any, torch.Tensor]] = []
@@ -626,7 +626,7 @@ class PipelineStrategy(FSDPStrategy):
                 elif s - 1 in self.stage_ids:
                     x = here[m]
                 else:
-                    x = torch.empty(shape, dtype=stream, device=self.env.device)
+                    x = torch.empty(self.stream_shape, dtype=self.stream_dtype, device=self.env.device)
                     dist.recv(x, src=peer(s - 1), group=self.pp_group)
                 view.chunk = m
                 y = view(x)
@@ -665,21 +665,19 @@ class PipelineStrategy(FSDPStrategy):
 
     # -- checkpoints: the whole model's names, so that any mesh reads what any other wrote ----------------------
 
-    def _alias(self) -> Dict[str, str]:
-        """A tied weight's copy in the last stage is saved under the first stage's name (the one name a whole
-        model gives it), where this rank does not hold that name itself."""
-        held = {n for n, _ in self.module.named_parameters()}
-        return {b: a for a, b in self.ties if a not in held}
-
-    def _twins(self) -> Dict[str, str]:
-        """A tied weight's copy held beside the first stage's on this rank (the V placement): its optimizer state
+    def _tie_names(self) -> Tuple[Dict[str, str], Dict[str, str]]:
+        """(alias, twins), each a tied weight's copy name -> the first stage's name (the one name a whole model
+        gives it). alias: the copy is saved under the first's name where this rank does not hold that name
+        itself. twins: the copy is held beside the first's on this rank (the V placement); its optimizer state
         is the first's (the same gradients, the same updates), saved once, under the first's name."""
         held = {n for n, _ in self.module.named_parameters()}
-        return {b: a for a, b in self.ties if a in held and b in held}
+        alias = {b: a for a, b in self.ties if a not in held}
+        twins = {b: a for a, b in self.ties if a in held and b in held}
+        return alias, twins
 
     def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         model, optim = get_state_dict(self.module, optimizer, options=checkpointed(self.module))
-        alias, twins = self._alias(), self._twins()
+        alias, twins = self._tie_names()
         state = {alias.get(k, k): v for k, v in optim["state"].items() if k not in twins}
         groups = [{**g, "params": [alias.get(n, n) for n in g["params"] if n not in twins]}
                   for g in optim["param_groups"]]
@@ -692,7 +690,7 @@ class PipelineStrategy(FSDPStrategy):
     def load_checkpoint_state(self, optimizer: torch.optim.Optimizer, saved: Dict[str, Any],
                               shards: Optional[Path]) -> None:
         model, optim = get_state_dict(self.module, optimizer, options=checkpointed(self.module))
-        alias, twins = self._alias(), self._twins()
+        alias, twins = self._tie_names()
         back = {v: k for k, v in alias.items()}
         if shards is not None:  # a sharded checkpoint of any mesh: DCP reshards
             state = {"model": model, "optim": {alias.get(k, k): v for k, v in optim["state"].items() if k not in twins}}
