@@ -95,6 +95,9 @@ class TrainerConfig:
     ckpt_every: int = 100  # optimizer steps between checkpoints (and one at the end); 0: only at the end
     keep_checkpoints: int = 3  # newest checkpoints kept
     keep_every: int = 0  # also keep, never pruned, every checkpoint whose step is a multiple of this; 0: none
+    # Checkpoints but the last are copied into host memory at their step and written by a background
+    # thread while training goes on (checkpoint/background.py); false: every save blocks until sealed.
+    ckpt_async: bool = False
     nonfinite: str = "stop"  # fp32/bf16 non-finite gradients: stop or skip the step
     max_consecutive_skips: int = 10  # with nonfinite=skip
     # CPU runs: glibc keeps freed blocks for reuse instead of page-faulting fresh
@@ -496,6 +499,7 @@ def _validate_values(cfg: Config) -> None:
     _check(t.keep_checkpoints >= 1, "trainer.keep_checkpoints", t.keep_checkpoints, "must be >= 1")
     _check(isinstance(t.keep_every, int) and not isinstance(t.keep_every, bool) and t.keep_every >= 0,
            "trainer.keep_every", t.keep_every, "must be an integer >= 0 (0: only trainer.keep_checkpoints applies)")
+    _check(isinstance(t.ckpt_async, bool), "trainer.ckpt_async", t.ckpt_async, "must be true or false")
     _check(t.device in ("auto", "cpu", "cuda"), "trainer.device", t.device, "choose auto, cpu or cuda")
     _check(t.nonfinite in NONFINITE_POLICIES, "trainer.nonfinite", t.nonfinite, f"choose one of {NONFINITE_POLICIES}")
     _check(t.max_consecutive_skips >= 1, "trainer.max_consecutive_skips", t.max_consecutive_skips, "must be >= 1")

@@ -47,3 +47,29 @@ def keep_freed_memory() -> bool:
         return False
     # The mmap threshold first: once it is fixed, glibc stops adjusting it.
     return bool(mallopt(M_MMAP_THRESHOLD, THRESHOLD_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, THRESHOLD_BYTES))
+
+
+def available_bytes() -> int | None:
+    """Host memory this process's node can still give, or None where it cannot be read.
+
+    The kernel's MemAvailable, and under a cgroup v2 limit (a container, a
+    Kubernetes pod, a Slurm job) what is left below that limit, whichever is less.
+    """
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read().strip())
+        if limit != "max":
+            found.append(int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None

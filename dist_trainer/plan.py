@@ -26,6 +26,7 @@ from .parallel.comm import COMM_KEYS as GRADIENT_COMM_KEYS
 from .parallel.pp import held_along, pp_bubble, pp_inflight, schedule_orders
 from .parallel.tp import TP_COMM_KEYS, expected_tp_comm, local_shapes, norm_activation_bytes, resolve_plan
 from .precision import Precision
+from .trainer import STEP_FIXED_SLOTS
 
 MIB = 2**20
 FIRST_BUCKET_BYTES = 1 * MIB  # DDP's smaller first bucket when bucket_cap_mb is left to it
@@ -124,10 +125,10 @@ def add_unit_comm(counts: Dict[str, int], mesh: MeshShape, gathered: int, grad: 
 
 
 def step_stats_bytes(world_size: int, pipeline: bool = False) -> int:
-    """The step's own all-reduce: float64 loss, items, samples, stop flag, norm share; per rank a
-    non-finite flag, its data wait and its compute time (pipeline stages: its idle and schedule seconds and its
-    micro-batches in flight too)."""
-    return (5 + (6 if pipeline else 3) * world_size) * 8
+    """The step's own all-reduce: float64 loss, items, samples, stop flag, norm share, background-busy count;
+    per rank a non-finite flag, its data wait and its compute time (pipeline stages: its idle and schedule
+    seconds and its micro-batches in flight too)."""
+    return (STEP_FIXED_SLOTS + (6 if pipeline else 3) * world_size) * 8
 
 
 def expected_comm(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision) -> Dict[str, int]:
@@ -252,7 +253,8 @@ def pp_expected(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
                     counts[f"p2p_{kind}_bytes"] += accum * activation
         counts["step_allreduces"] = 1
         counts["step_allreduce_bytes"] = step_stats_bytes(mesh.world_size, pipeline=True)
-        state = expected_state_bytes(cfg, [p for unit in g["units"] for p in unit if p.requires_grad], S, cut)
+        trained = [p for unit in g["units"] for p in unit if p.requires_grad]
+        state = expected_state_bytes(cfg, trained, S, cut)
         # Every unit stays gathered (a shard group of one rank too: FSDP2 still unshards into its own buffer) and
         # keeps its unsharded gradient from its first backward to the step's reduction; under zero_bubble a
         # stage is reduced and resharded in the step, after its last backward.
@@ -269,7 +271,8 @@ def pp_expected(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
             held = sum(stage_gathered.values()) + (sum(stage_grads.values()) if accum > 1 else 0)
         out.append({"stages": g["stages"], "blocks": g["blocks"], "first": g["first"], "last": g["last"],
                     "step": counts, "state_mb": state / MIB, "inflight": inflight[r],
-                    "step_peak_state_mb": (state + held) / MIB})
+                    "step_peak_state_mb": (state + held) / MIB,
+                    "ckpt_staging_mb": expected_staging_bytes(cfg, trained, 0, S, cut) / MIB})
     return out
 
 
@@ -375,6 +378,31 @@ def expected_state_bytes(cfg: Config, params: List[torch.Tensor], shard: int,
     return own + masters + 4 * _optimizer_state_elements(cfg, elements, tensors)
 
 
+def expected_staging_bytes(cfg: Config, params: List[torch.Tensor], buffer_bytes: int, shard: int,
+                           cut: Optional[Dict[int, torch.Size]] = None) -> int:
+    """Host memory a background checkpoint copies on the largest rank (``ckpt_staging_mb``, trainer.ckpt_async).
+
+    ddp: rank 0 copies the FP32 model (the masters in master modes; a tied weight
+    once) and the optimizer's FP32 state; the other ranks only their RNG states.
+    fsdp/hsdp (and tp, pp): every rank copies its shards of both, rank 0's the
+    largest. Persistent buffers (``buffer_bytes``) are copied whole; frozen
+    parameters are left out of checkpoints, so out of ``params``.
+    """
+    cut = cut or {}
+    if sharded_by_fsdp(cfg):
+        local = sum(shard_elements(p, shard, cut.get(id(p))) for p in params)
+    else:
+        local = sum(p.numel() for p in params)
+    return 4 * (local + _optimizer_state_elements(cfg, local, len(params))) + buffer_bytes
+
+
+def persistent_buffer_bytes(model: nn.Module) -> int:
+    """Bytes of the buffers a state dict holds, as checkpoints copy them (floating ones in FP32)."""
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    return sum(t.numel() * (4 if t.is_floating_point() else t.element_size())
+               for name, t in model.state_dict().items() if name not in params)
+
+
 def meta_model(cfg: Config, precision: Precision) -> nn.Module:
     """The model as the strategy would hold it, on the meta device: shapes and dtypes, no memory."""
     with torch.device("meta"):
@@ -419,6 +447,7 @@ def plan_numbers(cfg: Config, plan: BatchPlan, model: Optional[nn.Module] = None
         "norm_activation_mb": (norm_activation_bytes(model, cfg.dist.tp, _micro_batch_tokens(cfg, plan, model),
                                                      (precision.param_dtype or torch.float32).itemsize) / MIB
                                if mesh.tp > 1 and not auto else None),
+        "ckpt_staging_mb": expected_staging_bytes(cfg, params, persistent_buffer_bytes(model), mesh.shard, cut) / MIB,
         "step": step, "first_step": None if step is None else first_step_comm(step),
         "resumed_step": None if step is None else resumed_step_comm(step),
     }
@@ -449,6 +478,7 @@ def _pp_numbers(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
         "parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "state_mb": max(g["state_mb"] for g in groups),
         "step_peak_state_mb": max(g["step_peak_state_mb"] for g in groups),
+        "ckpt_staging_mb": max(g["ckpt_staging_mb"] for g in groups),
         "norm_activation_mb": None,
         "pp_bubble": pp_bubble(pp.schedule, mesh.pp, pp.stages_per_rank, plan.accum_steps),
         "pp_stage_groups": [{**g, "first_step": first_step_comm(g["step"]),
@@ -552,7 +582,7 @@ def plan_report(cfg: Config, world_size: int, local_world_size: Optional[int] = 
         *comm_lines(numbers, plan.accum_steps),
         *pp_lines(numbers),
         f"  plus 1 all-reduce of {step_stats_bytes(world_size, plan.mesh.pp > 1)} bytes (loss, item count, squared gradient norm, "
-        "skip and stop flags, each rank's data wait and compute time"
+        "skip, stop and background-write flags, each rank's data wait and compute time"
         + (", its idle and schedule seconds and micro-batches in flight" if plan.mesh.pp > 1 else "")
         + "; step_allreduces; step 1 adds 2, of 8 and 16 bytes; the first after a resume 1, of 16)",
         f"  model state per rank after an optimizer step: {state / MIB:.2f} MiB ({state} bytes; state_mb, "
@@ -560,6 +590,8 @@ def plan_report(cfg: Config, world_size: int, local_world_size: Optional[int] = 
         + (", FP32 masters)" if cfg.precision.name.endswith("-master") else ")"),
         *([f"  at the step's peak, with gathered parameters and unsharded gradients: "
            f"{numbers['step_peak_state_mb']:.2f} MiB (step_peak_state_mb)"] if numbers["step_peak_state_mb"] else []),
+        f"  a checkpoint's copy in host memory per rank under trainer.ckpt_async=true: "
+        f"{numbers['ckpt_staging_mb']:.2f} MiB (ckpt_staging_mb; the model in FP32 and the optimizer state)",
         f"  dataset {len(dataset):,} samples: {step_plan.steps_per_epoch} optimizer steps per epoch "
         f"(data.drop_last={cfg.data.get('drop_last', False)}); {plan.max_steps} steps = {epochs:.2f} epochs "
         f"= {math.ceil(epochs)} epoch(s) started",

@@ -222,9 +222,11 @@ class MasterWeights:
         state = _fp32_copy(_without(model.state_dict(), leave_out))
         # Every name of a tied parameter (a GPT's head.weight is its tok_emb.weight)
         # gets the master: the state dict holds both, and loading takes the last.
+        # One copy per master: the names stay tied in the file as in the model.
+        copies = {id(m): m.detach().cpu().clone() for m in self.master_of.values()}
         for name, p in model.named_parameters(remove_duplicate=False):
             if p in self.master_of:  # trained, so never left out
-                state[name] = self.master_of[p].detach().cpu().clone()
+                state[name] = copies[id(self.master_of[p])]
         return state
 
     @torch.no_grad()
@@ -253,7 +255,15 @@ def _without(state: Dict[str, torch.Tensor], names: Collection[str]) -> Dict[str
 
 
 def _fp32_copy(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    return {k: (v.float() if v.is_floating_point() else v).detach().cpu().clone() for k, v in state.items()}
+    """FP32 copies of a state dict's tensors; names that share one tensor (tied weights) share one copy."""
+    copies: Dict[tuple, torch.Tensor] = {}
+    out = {}
+    for k, v in state.items():
+        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), tuple(v.stride()), v.dtype)
+        if key not in copies or not key[0]:
+            copies[key] = (v.float() if v.is_floating_point() else v).detach().cpu().clone()
+        out[k] = copies[key]
+    return out
 
 
 class Precision:

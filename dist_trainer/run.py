@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import random
 import time
 import traceback
 from contextlib import nullcontext
@@ -12,12 +13,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
 from torch import nn
 
 from . import checkpoint, distributed, hostmem, tracking
+from .checkpoint import background
 from .compiling import CompileWatch, eager_eval
 from .config import BatchPlan, Config, ConfigError, logger_names, validate
 from .data import StepPlan, TrainLoader, build_dataset, eval_loader
@@ -137,7 +140,12 @@ def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
     trainer = Trainer(strategy, optimizer, precision, env, plan, cfg.optim, cfg.trainer, cfg.batch.partial_step)
     # Dropout and other runtime randomness per data-parallel rank: a tp group's ranks draw alike, so what
     # they hold whole (the residual stream without sequence parallelism) stays identical on each.
-    torch.manual_seed(cfg.trainer.seed + plan.mesh.data_rank(env.rank))
+    # Python's and NumPy's generators too (a model or dataset may draw from them; checkpoints save all three):
+    # two runs of one config start, and so stay, alike.
+    seed = cfg.trainer.seed + plan.mesh.data_rank(env.rank)
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
     return Parts(trainer, step_plan, train_set, eval_set, dict(cfg.model), frozen, cfg.trainer.seed)
 
 
@@ -184,6 +192,12 @@ def _train(cfg: Config, plan: BatchPlan, env: DistEnv, run_dir: Path, watch: Wat
         # From the built model: the meta device's first initialisation costs seconds (torch's refs).
         numbers = plan_numbers(cfg, plan, model)
         write_plan_json(numbers, run_dir / "plan.json")
+    if cfg.trainer.ckpt_async:  # before training: a copy that cannot fit must not start
+        problem = [background.host_memory_problem(numbers["ckpt_staging_mb"], env.local_world_size,
+                                                  hostmem.available_bytes()) if env.is_main else None]
+        dist.broadcast_object_list(problem, src=0)
+        if problem[0]:
+            raise ConfigError(problem[0])
     position = resume(parts, plan, env, run_dir, cfg.trainer.seed, cfg.trainer.keep_checkpoints,
                       cfg.trainer.keep_every)
     trackers = start_trackers(cfg, plan, numbers, run_dir, env.is_main, position.step)
@@ -191,9 +205,12 @@ def _train(cfg: Config, plan: BatchPlan, env: DistEnv, run_dir: Path, watch: Wat
                       cfg.trainer.log_every, trackers)
     stop = StopRequest()
     hosts = stragglers.gather_hosts(env.world_size)
+    tcfg = cfg.trainer
+    saves = background.build(env, tcfg.keep_checkpoints, tcfg.keep_every, tcfg.ckpt_async, cfg.dist.timeout_s)
     try:
-        summary = _loop(cfg, parts, position, outputs, stop, run_dir, watch, hosts)
+        summary = _loop(cfg, parts, position, outputs, stop, run_dir, watch, hosts, saves)
     finally:
+        saves.close()
         stop.close()
         outputs.close()
     watch.begin("final", position.step)
@@ -275,18 +292,17 @@ def resume(parts: Parts, plan: BatchPlan, env: DistEnv, run_dir: Path, seed: int
     return position
 
 
-def save_checkpoint(parts: Parts, position: Position, env: DistEnv, run_dir: Path, keep: int,
-                    keep_every: int = 0) -> None:
+def checkpoint_state(parts: Parts, position: Position) -> tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
+    """(what rank 0 writes into shared.pt, the sharded tensors every rank writes its part of, or None)."""
     trainer_state, sharded = parts.trainer.checkpoint_state()
     # model_config: what rebuilds the model from this checkpoint alone (python -m dist_trainer.export)
     shared = {"trainer": trainer_state, "loop": asdict(position), "plan": asdict(parts.trainer.plan),
               "model_config": parts.model_config, "frozen": parts.frozen, "model_seed": parts.model_seed}
-    path = checkpoint.save(run_dir, position.step, shared, env, keep, sharded, keep_every)
-    log.info("step %d: checkpoint %s", position.step, path)
+    return shared, sharded
 
 
 def _loop(cfg: Config, parts: Parts, position: Position, outputs: Outputs, stop: StopRequest,
-          run_dir: Path, watch: Watchdog, hosts: list) -> Dict[str, Any]:
+          run_dir: Path, watch: Watchdog, hosts: list, saves: background.BlockingSaves) -> Dict[str, Any]:
     trainer, eval_set = parts.trainer, parts.eval_set
     env, plan, tcfg = trainer.env, trainer.plan, cfg.trainer
     num_workers = cfg.data.get("num_workers", 0)
@@ -311,7 +327,8 @@ def _loop(cfg: Config, parts: Parts, position: Position, outputs: Outputs, stop:
             watch.computing()
             step = position.step + 1
             outcome = trainer.train_step([to_device(b, env.device) for b in batches], window, step,
-                                         stop_requested=lambda: stop.requested, data_time_s=fetched - tick)
+                                         stop_requested=lambda: stop.requested, data_time_s=fetched - tick,
+                                         busy=saves.busy)
             steps_here += 1
             if steps_here == 1:  # start-up is over: later collectives get dist.timeout_s
                 distributed.set_timeout(cfg.dist.timeout_s, trainer.strategy.groups)
@@ -329,10 +346,22 @@ def _loop(cfg: Config, parts: Parts, position: Position, outputs: Outputs, stop:
                 record["eval_loss"] = evaluate(trainer.module, evals, trainer.precision, env.device, tcfg.compile,
                                                trainer.strategy.evaluation,
                                                getattr(trainer.strategy, "eval_window", None))
-            outputs.write(record)
+            # A background save whose write ended on every rank: sealed (its write time), or raised here.
+            record.update(saves.after_step(outcome.busy))
             if last or outcome.stop_requested or (tcfg.ckpt_every and step % tcfg.ckpt_every == 0):
                 watch.begin("checkpoint", step)
-                save_checkpoint(parts, position, env, run_dir, tcfg.keep_checkpoints, tcfg.keep_every)
+                # The step's record is written once the save lets the step go on (files written, or staged),
+                # before any seal: a sealed checkpoint always has its step's record. Written even if it fails.
+                pending = [record]
+                emit = lambda figures: outputs.write({**pending.pop(), **figures})  # noqa: E731
+                try:
+                    saves.save(run_dir, step, *checkpoint_state(parts, position), last or outcome.stop_requested,
+                               emit)
+                finally:
+                    if pending:
+                        outputs.write(pending.pop())
+            else:
+                outputs.write(record)
             if cfg.dist.check_consistency_every and step % cfg.dist.check_consistency_every == 0:
                 watch.begin("check", step)
                 check_consistency(trainer.consistency_tensors(), step)

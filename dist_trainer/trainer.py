@@ -39,6 +39,9 @@ from .precision import Precision
 
 log = logging.getLogger("dist_trainer")
 
+# The step all-reduce's slots before the per-rank ones: loss, items, samples, stop flag, norm share, busy count.
+STEP_FIXED_SLOTS = 6
+
 
 class NonFiniteError(RuntimeError):
     """Non-finite gradients with no loss scaler to absorb them."""
@@ -74,6 +77,7 @@ class StepOutcome:
     pp_schedule_times: List[float] = field(default_factory=list)
     # ... and the most micro-batches whose activations each rank's stages held at once, by rank.
     pp_inflight: List[float] = field(default_factory=list)
+    busy: bool = False  # some rank's background work (a checkpoint's write) still ran at this step's all-reduce
 
 
 def _leading_dim(batch: Any) -> int:
@@ -141,8 +145,11 @@ class Trainer:
         self.pipeline = getattr(strategy, "run_window", None)
 
     def train_step(self, batches: List[Any], window: Window, step: int,
-                   stop_requested: Callable[[], bool] = lambda: False, data_time_s: float = 0.0) -> StepOutcome:
-        """``data_time_s``: how long this rank waited for ``batches`` (shared with the others in the all-reduce)."""
+                   stop_requested: Callable[[], bool] = lambda: False, data_time_s: float = 0.0,
+                   busy: Callable[[], bool] = lambda: False) -> StepOutcome:
+        """``data_time_s``: how long this rank waited for ``batches`` (shared with the others in the all-reduce);
+        ``busy``: whether this rank's background work (a checkpoint's write) still runs: the outcome says whether
+        any rank's does, so that every rank learns that it ended at the same step."""
         strategy, scale = self.strategy, self.precision.scaler.scale
         began = time.perf_counter()
         comm0 = {**strategy.comm(), **self.own_comm}
@@ -152,7 +159,8 @@ class Trainer:
         loss_sum, items = run(batches, window, scale)
         ready = strategy.grads_ready_at()  # when this rank issued its last gradient reduction
         times = (data_time_s, (ready if ready > began else time.perf_counter()) - began)
-        totals = self._reduce_window(loss_sum, items, sum(len(ix) for ix in window), stop_requested, times)
+        totals = self._reduce_window(loss_sum, items, sum(len(ix) for ix in window), stop_requested, times,
+                                     busy)
         outcome = self._apply(totals, scale, step)
         if self.state_mb is None and not outcome.skipped:
             self.state_mb, self.step_peak_state_mb = self._measure_state_mb()
@@ -165,6 +173,7 @@ class Trainer:
         outcome.data_times, outcome.compute_times = totals["data_times"], totals["compute_times"]
         outcome.pp_idle_times, outcome.pp_schedule_times = totals["pp_idle_times"], totals["pp_schedule_times"]
         outcome.pp_inflight = totals["pp_inflight"]
+        outcome.busy = totals["busy"]
         return outcome
 
     def _micro_batches(self, batches: List[Any], window: Window, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,7 +219,8 @@ class Trainer:
         return max(total.item() / self.plan.data_ranks, 1.0)
 
     def _reduce_window(self, loss_sum: torch.Tensor, items: torch.Tensor, samples: int,
-                       stop_requested: Callable[[], bool], times: tuple[float, float]) -> dict:
+                       stop_requested: Callable[[], bool], times: tuple[float, float],
+                       busy: Callable[[], bool] = lambda: False) -> dict:
         """One all-reduce of the step's totals, non-finite flags and stop requests.
 
         Gradients are already identical on all ranks here (the last backward
@@ -221,35 +231,36 @@ class Trainer:
         compute) go in its own slots, so the sum holds every rank's: the straggler
         figures cost no collective of their own.
         """
-        world = self.env.world_size
+        world, B = self.env.world_size, STEP_FIXED_SLOTS
         pipeline = self.pipeline is not None  # two more slots a rank: idle and schedule seconds
-        stats = torch.zeros(5 + (6 if pipeline else 3) * world, dtype=torch.float64, device=self.env.device)
+        stats = torch.zeros(B + (6 if pipeline else 3) * world, dtype=torch.float64, device=self.env.device)
         # Read the stop flag now, at the step's end: a signal that came during
         # this step stops the run after it, not after the next one.
         # The ranks of one tensor-parallel group ran the same micro-batches: the first speaks for them.
         share = self.batch_share
         stats[0], stats[1], stats[2] = loss_sum * share, items * share, samples * share
         stats[3] = float(stop_requested())
+        stats[5] = float(busy())
         # The strategy knows what this rank holds (the whole gradient, or a shard, maybe
         # replicated): its shares add up over ranks to the squared norm of the whole gradient.
         stats[4] = self.strategy.grad_norm_sq(self.weights.grads())
-        stats[5 + self.env.rank] = (~torch.isfinite(loss_sum)).to(torch.float64)
-        stats[5 + world + self.env.rank], stats[5 + 2 * world + self.env.rank] = times
+        stats[B + self.env.rank] = (~torch.isfinite(loss_sum)).to(torch.float64)
+        stats[B + world + self.env.rank], stats[B + 2 * world + self.env.rank] = times
         if pipeline:
-            stats[5 + 3 * world + self.env.rank] = self.strategy.pp_idle_s
-            stats[5 + 4 * world + self.env.rank] = self.strategy.pp_schedule_s
-            stats[5 + 5 * world + self.env.rank] = self.strategy.pp_inflight
+            stats[B + 3 * world + self.env.rank] = self.strategy.pp_idle_s
+            stats[B + 4 * world + self.env.rank] = self.strategy.pp_schedule_s
+            stats[B + 5 * world + self.env.rank] = self.strategy.pp_inflight
         self._all_reduce(stats)
         values = stats.tolist()  # the step's one host sync
-        bad_ranks = [r for r in range(world) if values[5 + r] > 0]
+        bad_ranks = [r for r in range(world) if values[B + r] > 0]
         # An inf or NaN in any rank's gradients makes the sum non-finite on every rank.
         norm = math.sqrt(values[4]) if math.isfinite(values[4]) else float("nan")
         return {"loss_sum": values[0], "items": values[1], "samples": int(values[2]),
-                "nonfinite": not math.isfinite(norm) or bool(bad_ranks), "stop": values[3] > 0,
+                "nonfinite": not math.isfinite(norm) or bool(bad_ranks), "stop": values[3] > 0, "busy": values[5] > 0,
                 "bad_ranks": bad_ranks,
-                "data_times": values[5 + world:5 + 2 * world], "compute_times": values[5 + 2 * world:5 + 3 * world],
-                "pp_idle_times": values[5 + 3 * world:5 + 4 * world],
-                "pp_schedule_times": values[5 + 4 * world:5 + 5 * world], "pp_inflight": values[5 + 5 * world:],
+                "data_times": values[B + world:B + 2 * world], "compute_times": values[B + 2 * world:B + 3 * world],
+                "pp_idle_times": values[B + 3 * world:B + 4 * world],
+                "pp_schedule_times": values[B + 4 * world:B + 5 * world], "pp_inflight": values[B + 5 * world:],
                 "raw_norm": norm}  # norm of the grads as they stand: scaled, not yet normalised
 
     def _apply(self, totals: dict, scale: float, step: int) -> StepOutcome:

@@ -74,6 +74,8 @@ TINY = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "data.block_size
 WARMUP, K, STEPS = 16, 12, 24  # the split run stops at K: inside the warmup, and STEPS crosses its end
 JOB2 = TINY + ["batch.global_batch_size=32", "batch.micro_batch_size=8", f"optim.warmup_steps={WARMUP}",
                "optim.schedule=constant", "trainer.ckpt_every=2"]
+ASYNC_JOB2 = [a for a in JOB2 if not a.startswith("trainer.ckpt_every=")] + ["trainer.ckpt_every=1",
+                                                                               "trainer.ckpt_async=true"]
 FAULTY = ["model._target_=helpers.FaultyGPT"]  # the built-in GPT's parameters and numbers, plus test hooks
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -351,6 +353,10 @@ def jobs(request, tmp_path_factory):
         bg.start("preempt", JOB2 + gated(root / "preempt-gate", 2 * PREEMPT_GATE_STEP - 1, rank=1)
                  + [f"trainer.max_steps={STEPS}", f"hydra.run.dir={root / 'preempt'}"],
                  nproc=2, torchrun_args=["--signals-to-handle=SIGTERM,SIGUSR1"])
+        # The same under trainer.ckpt_async=true, checkpointing every step: a background write precedes the stop.
+        bg.start("async_preempt", ASYNC_JOB2 + gated(root / "async_preempt-gate", 2 * PREEMPT_GATE_STEP - 1, rank=1)
+                 + [f"trainer.max_steps={STEPS}", f"hydra.run.dir={root / 'async_preempt'}"],
+                 nproc=2, torchrun_args=["--signals-to-handle=SIGTERM,SIGUSR1"])
         # accum 1 on 2 ranks: rank 1's forward 5 is step 5, NaN there (trainer.nonfinite=stop, the default).
         bg.start("nan_stop", SMALL + gated(root / "nan_stop-gate", 5, rank=1)
                  + ["trainer.ckpt_every=2", "trainer.max_steps=8", "+model.nan_calls=[5]", "+model.nan_rank=1",
@@ -540,8 +546,30 @@ def test_elastic_restart_across_two_nodes_resumes_bit_identical(fp32_2rank, tmp_
 
 @uses("ref", "half", "preempt")
 def test_sigusr1_on_one_worker_checkpoints_exits_requeue_and_resumes_bit_identical(jobs, fp32_2rank, tmp_path):
+    _preempted(jobs, fp32_2rank, tmp_path, "preempt", JOB2)
+
+
+@pytest.mark.slow  # 15-60 s of real launches: .ci/run runs it with the slow set
+@uses("ref", "half", "async_preempt")
+def test_sigusr1_with_a_background_save_in_flight_waits_for_it_then_checkpoints_and_resumes(jobs, fp32_2rank,
+                                                                                           tmp_path):
+    def check(run_dir: Path, stop: int) -> None:
+        # Steps 1-3 were saved in the background, each sealed before the next was staged (keep 3: 2 and 3
+        # are left); the stop's own save waited for step 3's and was written before the exit.
+        assert [p.name for p in list_checkpoints(run_dir / "checkpoints")] == [
+            f"step_{step:08d}" for step in (stop, stop - 1, stop - 2)]
+        assert all(verify(ckpt(run_dir, step)) is None for step in (stop, stop - 1, stop - 2))
+        records = metrics(run_dir)
+        assert [("ckpt_staging_mb" in r) for r in records] == [True] * (stop - 1) + [False]
+        assert sum("ckpt_write_s" in r for r in records) == stop - 1
+
+    _preempted(jobs, fp32_2rank, tmp_path, "async_preempt", ASYNC_JOB2, check)
+
+
+def _preempted(jobs, fp32_2rank, tmp_path, name: str, args: List[str],
+               check: Callable[[Path, int], None] = lambda run_dir, stop: None) -> None:
     # torchrun --signals-to-handle=SIGTERM,SIGUSR1; rank 1 waits on the gate in step PREEMPT_GATE_STEP.
-    job, run_dir, gate = jobs.job("preempt"), jobs.root / "preempt", jobs.root / "preempt-gate"
+    job, run_dir, gate = jobs.job(name), jobs.root / name, jobs.root / f"{name}-gate"
     wait_for(lambda: Path(f"{gate}.waiting").exists(), job, 120, f"rank 1 in step {PREEMPT_GATE_STEP}")
     # To rank 1 only, while it is in that step's forward (blocked on the gate, in Python, so the
     # handler runs at once); rank 0 must learn of it through the step's all-reduce.
@@ -549,7 +577,7 @@ def test_sigusr1_on_one_worker_checkpoints_exits_requeue_and_resumes_bit_identic
     time.sleep(0.2)
     assert steps_done(run_dir) == PREEMPT_GATE_STEP - 1
     gate.touch()
-    result = jobs.result("preempt")
+    result = jobs.result(name)
     output = result.output
     assert result.returncode != 0, output[-4000:]  # torchrun reports its workers' EXIT_REQUEUE as a failure (1)
     assert re.search(rf"exitcode\s*:\s*{EXIT_REQUEUE}\b", output), output[-4000:]
@@ -561,8 +589,10 @@ def test_sigusr1_on_one_worker_checkpoints_exits_requeue_and_resumes_bit_identic
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, stop + 1))
     assert verify(ckpt(run_dir, stop)) is None
     assert not (run_dir / "final_model.pt").exists()
+    check(run_dir, stop)
+    metrics_then = metrics(run_dir)
 
-    proc = run(JOB2 + [f"trainer.max_steps={STEPS}", f"hydra.run.dir={run_dir}"], tmp_path, nproc=2)
+    proc = run(args + [f"trainer.max_steps={STEPS}", f"hydra.run.dir={run_dir}"], tmp_path, nproc=2)
     assert proc.returncode == 0, proc.output[-4000:]
     assert resumed_from(proc.output) == str(ckpt(run_dir, stop))
     assert_same_metrics(run_dir, fp32_2rank.ref, STEPS)
@@ -574,6 +604,7 @@ def test_sigusr1_on_one_worker_checkpoints_exits_requeue_and_resumes_bit_identic
         f"SIGUSR1 arrived during step {PREEMPT_GATE_STEP}, but the run stopped after step {stop}: run.py "
         "passes stop_requested=stop.requested to train_step when the step starts, so a signal arriving "
         "during a step only reaches the NEXT step's all-reduce (one extra step before the checkpoint and exit)")
+    assert metrics(run_dir)[:stop] == metrics_then
 
 
 def test_sigterm_to_the_process_group_with_dataloader_workers_checkpoints_and_exits_requeue(tmp_path):

@@ -4,6 +4,8 @@
 progress (held on a gate) the test fills the tmpfs, leaving room for the
 metrics but not for a checkpoint, so the checkpoint at step 4 fails:
 
+* under trainer.ckpt_async=true too, where the write runs in the background
+  after step 4 and fails there: every rank learns of it at the same later step;
 * every rank stops with the same exit status and one message that says what
   failed, where, how much a checkpoint needs, how much is free and which
   checkpoint is intact; no gloo peer error;
@@ -63,14 +65,19 @@ def _fill(mount: Path, leave: int) -> Path:
 
 
 @pytest.mark.slow  # 15-60 s of real launches: .ci/run runs it with the slow set
-def test_full_disk_stops_every_rank_cleanly_and_the_run_resumes_once_space_allows(tmpfs, tmp_path):
+@pytest.mark.parametrize("background", [False, True], ids=["blocking", "ckpt_async"])
+def test_full_disk_stops_every_rank_cleanly_and_the_run_resumes_once_space_allows(tmpfs, tmp_path, background):
     run_dir = tmpfs / "run"
     gate = tmp_path / "gate"
-    with Job(ARGS + gated(gate, 2 * GATE_STEP - 1, rank=1) + [f"hydra.run.dir={run_dir}"], tmp_path, nproc=2) as job:
+    args = ARGS + [f"trainer.ckpt_async={str(background).lower()}"]
+    with Job(args + gated(gate, 2 * GATE_STEP - 1, rank=1) + [f"hydra.run.dir={run_dir}"], tmp_path, nproc=2) as job:
         deadline = time.monotonic() + 150
         while not Path(f"{gate}.waiting").exists():
             assert job.proc.poll() is None, job.output()[-4000:]
             assert time.monotonic() < deadline, job.output()[-4000:]
+            time.sleep(0.02)
+        while background and not (ckpt(run_dir, 2) / "manifest.json").exists():  # its write may still run
+            assert job.proc.poll() is None and time.monotonic() < deadline, job.output()[-4000:]
             time.sleep(0.02)
         assert verify(ckpt(run_dir, 2)) is None
         size = sum(p.stat().st_size for p in ckpt(run_dir, 2).rglob("*") if p.is_file())
@@ -95,7 +102,10 @@ def test_full_disk_stops_every_rank_cleanly_and_the_run_resumes_once_space_allow
     assert not list((run_dir / "checkpoints").glob(".tmp-*"))
     assert [p.name for p in list_checkpoints(run_dir / "checkpoints")] == ["step_00000002"]
     assert verify(ckpt(run_dir, 2)) is None
-    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]
+    # A background write fails after its step: every rank learns of it at the same later step (5, or the
+    # last, 6, which waits for it), before that step's record.
+    steps = [r["step"] for r in metrics(run_dir)]
+    assert steps == [1, 2, 3, 4] if not background else steps in ([1, 2, 3, 4], [1, 2, 3, 4, 5]), steps
 
     # Space again; a killed write's debris is there too, and an older checkpoint beyond keep_checkpoints=1.
     ballast.unlink()
@@ -104,7 +114,7 @@ def test_full_disk_stops_every_rank_cleanly_and_the_run_resumes_once_space_allow
     (stale / "shared.pt").write_bytes(os.urandom(1 << 20))
     older = run_dir / "checkpoints" / "step_00000001"
     shutil.copytree(ckpt(run_dir, 2), older)  # sealed, valid, and older than the newest valid one
-    proc = run(ARGS + [f"hydra.run.dir={run_dir}"], tmp_path, nproc=2)
+    proc = run(args + [f"hydra.run.dir={run_dir}"], tmp_path, nproc=2)
     assert proc.returncode == 0, proc.output[-4000:]
     assert resumed_from(proc.output) == str(ckpt(run_dir, 2))
     assert "was never sealed" in proc.output

@@ -31,13 +31,14 @@ import pickle
 import random
 import shutil
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from .distributed import DistEnv
+from ..distributed import DistEnv
+from .shards import load_shards, read_shard_metadata, save_shards, shard_tensor_shapes  # noqa: F401
 
 log = logging.getLogger("dist_trainer")
 
@@ -61,76 +62,6 @@ def _needed_files(world_size: int, sharded: bool = False) -> List[str]:
     return ["shared.pt"] + [_rng_file(r) for r in range(world_size)] + ([SHARD_METADATA] if sharded else [])
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's metadata and nothing else: no callable outside this list can be reached."""
-
-    ALLOWED = {
-        ("torch.distributed.checkpoint.metadata", name) for name in (
-            "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-            "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")
-    } | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-         ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-         ("collections", "OrderedDict")}
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in self.ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's shard metadata")
-
-
-def read_shard_metadata(shards: Path) -> Any:
-    """DCP's metadata of a sharded checkpoint, unpickled safely; only tensor items are accepted."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    with open(shards / ".metadata", "rb") as f:
-        metadata = _MetadataUnpickler(f).load()
-    others = [key for key, item in metadata.state_dict_metadata.items()
-              if not isinstance(item, TensorStorageMetadata)]
-    if others:
-        raise pickle.UnpicklingError(f"shard items {others[:3]} are not tensors; only tensors are loaded")
-    return metadata
-
-
-def save_shards(state: Dict[str, Any], shards: Path) -> None:
-    """Every rank writes its own shards of ``state`` (DTensors, or tensors every rank holds) with DCP."""
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(shards), sync_files=True))
-
-
-def load_shards(state: Dict[str, Any], shards: Path) -> None:
-    """Fill ``state``'s tensors in place from a sharded checkpoint, resharding to their layout.
-
-    ``state`` may hold DTensors of any mesh (fsdp on any world size) or whole
-    tensors (each rank then reads every shard of them).
-    """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
-    class SafeReader(dcp.FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            metadata = read_shard_metadata(shards)
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    class TensorsOnly(DefaultLoadPlanner):
-        def load_bytes(self, read_item: Any, value: Any) -> None:  # DCP would torch.load it with weights_only=False
-            raise CheckpointError(f"shard item {read_item.dest_index.fqn} is not a tensor; refusing to unpickle it")
-
-    dcp.load(state, storage_reader=SafeReader(str(shards)), planner=TensorsOnly())
-
-
-def shard_tensor_shapes(shards: Path) -> Dict[str, Tuple[torch.Size, torch.dtype]]:
-    """Key -> (whole shape, dtype) of every tensor a sharded checkpoint holds."""
-    metadata = read_shard_metadata(shards)
-    return {key: (item.size, item.properties.dtype) for key, item in metadata.state_dict_metadata.items()}
-
-
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -139,11 +70,17 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _save_file(obj: Any, path: Path) -> None:
+def _save_file(obj: Any, path: Path) -> Dict[str, Any]:
     with open(path, "wb") as f:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
+    return _describe(path)
+
+
+def _describe(path: Path) -> Dict[str, Any]:
+    """A file's manifest entry: its size and sha256."""
+    return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
 
 def frozen_digest(model: torch.nn.Module) -> Optional[str]:
@@ -203,15 +140,21 @@ def restore_rng(state: Dict[str, Any], device: torch.device) -> None:
 
 
 def save(run_dir: Path, step: int, shared: Dict[str, Any], env: DistEnv, keep: int,
-         sharded: Optional[Dict[str, Any]] = None, keep_every: int = 0) -> Path:
+         sharded: Optional[Dict[str, Any]] = None, keep_every: int = 0, *, rng: Optional[Dict[str, Any]] = None,
+         group: Optional[dist.ProcessGroup] = None, before_seal: Callable[[], None] = lambda: None) -> Path:
     """Write one checkpoint; every rank calls this (each writes its own RNG file, and its shards).
 
     Three phases, each ending with every rank learning whether any rank failed
-    in it: rank 0 makes the temporary directory; every rank writes its files;
-    rank 0 seals (manifest, rename) and prunes. A write that fails anywhere (a
-    full disk, a read-only directory, no permission) makes every rank raise the
-    same CheckpointWriteError after the partial directory is removed, so all
-    ranks stop alike and no earlier checkpoint is touched.
+    in it: rank 0 makes the temporary directory; every rank writes and hashes
+    its files; rank 0 seals (manifest, rename) and prunes. A write that fails
+    anywhere (a full disk, a read-only directory, no permission) makes every
+    rank raise the same CheckpointWriteError after the partial directory is
+    removed, so all ranks stop alike and no earlier checkpoint is touched.
+
+    ``rng``: this rank's RNG states as captured at the step (a background save
+    runs after training went on); ``group``: the process group of the save's
+    collectives (a background save has its own); ``before_seal``: called on
+    every rank once every file is written, before any rank seals.
     """
     root = checkpoint_dir(run_dir)
     final = root / f"{PREFIX}{step:08d}"
@@ -221,36 +164,38 @@ def save(run_dir: Path, step: int, shared: Dict[str, Any], env: DistEnv, keep: i
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
 
-    _phase(env, "creating the checkpoint directory", tmp, make_tmp if env.is_main else None, shared, sharded)
+    _phase(env, "creating the checkpoint directory", tmp, make_tmp if env.is_main else None, shared, sharded, group)
 
-    def write_files() -> None:
-        _save_file(capture_rng(env.device), tmp / _rng_file(env.rank))
-        if sharded is not None:
-            save_shards(sharded, tmp / SHARDS)  # collective: each rank its own file, rank 0 the metadata
+    def write_files() -> Dict[str, Optional[Dict[str, Any]]]:
+        """This rank's files, each hashed by its writer (in parallel over ranks, from the page cache)."""
+        written = {_rng_file(env.rank): _save_file(rng if rng is not None else capture_rng(env.device),
+                                                   tmp / _rng_file(env.rank))}
+        if sharded is not None:  # collective: each rank its own files, rank 0 the metadata
+            own = save_shards(sharded, tmp / SHARDS, group) + ([".metadata"] if env.is_main else [])
+            written.update({f"{SHARDS}/{name}": _describe(tmp / SHARDS / name) for name in own})
         if env.is_main:
-            _save_file({"format": FORMAT_VERSION, "world_size": env.world_size, **shared}, tmp / "shared.pt")
+            written["shared.pt"] = _save_file({"format": FORMAT_VERSION, "world_size": env.world_size, **shared},
+                                              tmp / "shared.pt")
+        return written
 
-    _phase(env, "writing the checkpoint files", tmp, write_files, shared, sharded)
-    # The manifest names every file a resume needs, not what rank 0 happens to list:
-    # a rank's RNG file it cannot see (run dir not shared by all nodes, or a stale
+    described = _phase(env, "writing the checkpoint files", tmp, write_files, shared, sharded, group)
+    # The manifest names every file a resume needs, not what the ranks happen to report:
+    # a rank's RNG file rank 0 cannot see (run dir not shared by all nodes, or a stale
     # NFS directory cache) must stop the run, not seal a checkpoint without it.
-    files = _needed_files(env.world_size, sharded is not None)
-    missing = [[name for name in files if not (tmp / name).is_file()] if env.is_main else None]
-    dist.broadcast_object_list(missing, src=0)
+    files: Dict[str, Any] = {name: meta for part in described for name, meta in part.items() if meta is not None}
+    needed = _needed_files(env.world_size, sharded is not None)
+    missing = [[name for name in needed + sorted(files) if not (tmp / name).is_file()] if env.is_main else None]
+    dist.broadcast_object_list(missing, src=0, group=group)
     if missing[0]:
         raise CheckpointError(
-            f"checkpoint {final.name}: rank 0 cannot see {', '.join(missing[0])} in {tmp}; every rank must "
-            "write to the same run directory (set hydra.run.dir to storage all nodes share). Earlier "
+            f"checkpoint {final.name}: rank 0 cannot see {', '.join(dict.fromkeys(missing[0]))} in {tmp}; every "
+            "rank must write to the same run directory (set hydra.run.dir to storage all nodes share). Earlier "
             "checkpoints are untouched.")
+    before_seal()
 
     def seal() -> None:
-        names = list(files)
-        if sharded is not None:  # DCP's data files, one or more per rank
-            names += sorted(f"{SHARDS}/{p.name}" for p in (tmp / SHARDS).iterdir() if p.name != ".metadata")
         manifest = {"step": step, "world_size": env.world_size, "format": FORMAT_VERSION,
-                    "sharded": sharded is not None,
-                    "files": {name: {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
-                              for name in names}}
+                    "sharded": sharded is not None, "files": dict(sorted(files.items()))}
         with open(tmp / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=1)
             f.flush()
@@ -261,7 +206,7 @@ def save(run_dir: Path, step: int, shared: Dict[str, Any], env: DistEnv, keep: i
         _fsync_dir(root)
         _prune(root, keep, keep_every)
 
-    _phase(env, "sealing the checkpoint", tmp, seal if env.is_main else None, shared, sharded)
+    _phase(env, "sealing the checkpoint", tmp, seal if env.is_main else None, shared, sharded, group)
     return final
 
 
@@ -274,25 +219,28 @@ class CheckpointWriteError(RuntimeError):
 WRITE_ERRORS: Tuple[type, ...] = (OSError, RuntimeError)
 
 
-def _phase(env: DistEnv, what: str, tmp: Path, action: Optional[Any], shared: Dict[str, Any],
-           sharded: Optional[Dict[str, Any]]) -> None:
-    """Run this rank's part of one phase of a save; then every rank learns what failed anywhere."""
-    failure = None
+def _phase(env: DistEnv, what: str, tmp: Path, action: Optional[Callable[[], Any]], shared: Dict[str, Any],
+           sharded: Optional[Dict[str, Any]], group: Optional[dist.ProcessGroup] = None) -> List[Any]:
+    """Run this rank's part of one phase of a save; then every rank learns what failed anywhere.
+
+    Returns what each rank's ``action`` returned, in rank order.
+    """
+    failure, result = None, None
     if action is not None:
         try:
-            action()
+            result = action()
         except WRITE_ERRORS as err:
             failure = f"rank {env.rank}: {type(err).__name__}: {err}"
-    failures: List[Optional[str]] = [None] * env.world_size
-    dist.all_gather_object(failures, failure)
-    failed = [f for f in failures if f is not None]
+    outcomes: List[Any] = [None] * env.world_size
+    dist.all_gather_object(outcomes, (failure, result), group=group)
+    failed = [f for f, _ in outcomes if f is not None]
     if not failed:
-        return
+        return [r for _, r in outcomes]
     message = [None]
     if env.is_main:
         shutil.rmtree(tmp, ignore_errors=True)  # the partial checkpoint: debris that would fill the disk again
         message = [_write_failure(what, tmp, failed, shared, sharded, env.world_size)]
-    dist.broadcast_object_list(message, src=0)
+    dist.broadcast_object_list(message, src=0, group=group)
     raise CheckpointWriteError(message[0])
 
 
