@@ -21,13 +21,21 @@ For each mode, over the checkpoints written before the last (the last one always
   cores the writer thread competes with the two ranks' compute, which a GPU node's host CPUs would not.
 
 The ratio printed is the stall per checkpoint, blocking over background, measured side by side in one run.
+With ``--s3`` (moto installed: the test extras), the default GPT's modes run again with
+``trainer.ckpt_dir=s3://...`` against moto's S3 server on the loopback (a Python process keeping objects in
+memory: its speed is not S3's, but every byte goes through s3fs and HTTP as it would).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import socket
 import statistics
+import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -39,6 +47,7 @@ MODELS = {
     "default GPT": ([], 12, 3),
     "GPT-2-small shape": (GPT2_SMALL, 6, 2),
 }
+S3_MODELS = {"default GPT, S3": ([], 12, 3)}
 STRATEGIES = {"ddp": [], "fsdp": ["dist.strategy=fsdp"]}
 
 
@@ -67,18 +76,47 @@ def measure(overrides, steps: int, every: int, background: bool) -> dict:
             "loss": recs[-1]["loss"]}
 
 
+def moto_server() -> subprocess.Popen:
+    """moto's S3 server on the loopback, a bucket in it, and the environment every run inherits."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
+                      AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}")
+    import s3fs
+
+    for _ in range(300):
+        try:
+            s3fs.S3FileSystem(skip_instance_cache=True).mkdir("bench")
+            return server
+        except Exception:  # noqa: BLE001 - still starting
+            time.sleep(0.2)
+    raise RuntimeError("moto's server did not start")
+
+
 def main() -> None:
-    args = rounds_parser(__doc__).parse_args()
+    parser = rounds_parser(__doc__)
+    parser.add_argument("--s3", action="store_true", help="also through moto's S3 server (the default GPT)")
+    args = parser.parse_args()
+    models = dict(MODELS)
+    server = None
+    if args.s3:
+        server = moto_server()
+        models.update({name: (keys + ["trainer.ckpt_dir=s3://bench/{run}"], steps, every)
+                       for name, (keys, steps, every) in S3_MODELS.items()})
     print(machine_description(), flush=True)
     print(f"\n2 ranks; modes alternated over {args.rounds} rounds; medians over the checkpoints before the last\n",
           flush=True)
     results = {}
     for rnd in range(1, args.rounds + 1):
-        for model, (overrides, steps, every) in MODELS.items():
+        for model, (overrides, steps, every) in models.items():
             for strategy, keys in STRATEGIES.items():
                 for background in (False, True):
                     name = (model, strategy, background)
-                    row = measure(overrides + keys, steps, every, background)
+                    fresh = [o.replace("{run}", uuid.uuid4().hex) for o in overrides]  # a prefix per run
+                    row = measure(fresh + keys, steps, every, background)
                     results.setdefault(name, []).append(row)
                     print(f"round {rnd} {model} {strategy} {'background' if background else 'blocking'}: "
                           f"{json.dumps({k: round(v, 4) for k, v in row.items()})}", flush=True)
@@ -86,7 +124,7 @@ def main() -> None:
           "write (s) | host copy, rank 0 (MiB; planned) | step (s) | step while writing (s) |")
     print("|---|---|---|---|---|---|---|---|---|")
     table = {}
-    for model in MODELS:
+    for model in models:
         for strategy in STRATEGIES:
             sync = {k: _median([r[k] for r in results[(model, strategy, False)]]) for k in results[(model, strategy, False)][0]}
             bg = {k: _median([r[k] for r in results[(model, strategy, True)]]) for k in results[(model, strategy, True)][0]}
@@ -97,6 +135,8 @@ def main() -> None:
                   f"{bg['step_while_writing_s']:.3f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=1))
+    if server is not None:
+        server.terminate()
 
 
 if __name__ == "__main__":

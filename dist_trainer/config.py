@@ -98,6 +98,9 @@ class TrainerConfig:
     # Checkpoints but the last are copied into host memory at their step and written by a background
     # thread while training goes on (checkpoint/background.py); false: every save blocks until sealed.
     ckpt_async: bool = False
+    # Where checkpoints go: a directory, or an fsspec URL (s3://bucket/prefix; credentials and endpoint from
+    # the environment, as the client reads them). null: the run directory's checkpoints/.
+    ckpt_dir: Optional[str] = None
     nonfinite: str = "stop"  # fp32/bf16 non-finite gradients: stop or skip the step
     max_consecutive_skips: int = 10  # with nonfinite=skip
     # CPU runs: glibc keeps freed blocks for reuse instead of page-faulting fresh
@@ -395,6 +398,25 @@ def _check(ok: bool, key: str, value: Any, why: str) -> None:
         raise ConfigError(f"{key}={value!r}: {why}")
 
 
+def _check_ckpt_dir(ckpt_dir: Any) -> None:
+    """A path, or a URL whose fsspec filesystem is installed (s3:// needs s3fs); never credentials in it."""
+    _check(ckpt_dir is None or (isinstance(ckpt_dir, str) and ckpt_dir.strip() != ""), "trainer.ckpt_dir", ckpt_dir,
+           "a directory or an fsspec URL such as s3://bucket/prefix, or null (the run directory's checkpoints/)")
+    if ckpt_dir is None or "://" not in ckpt_dir or ckpt_dir.startswith("file://"):
+        return
+    protocol, rest = ckpt_dir.split("://", 1)
+    _check("@" not in rest.split("/", 1)[0], "trainer.ckpt_dir", "<redacted>",
+           "holds credentials; give them in the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY), never in "
+           "the config, which is logged and saved")
+    import fsspec
+
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except (ImportError, ValueError) as err:
+        raise ConfigError(f"trainer.ckpt_dir={ckpt_dir!r}: no filesystem for {protocol}:// ({err}); install its "
+                          "fsspec package (s3fs for s3://, pip install 'dist_trainer[s3]')") from None
+
+
 def _check_loggers(logger: Any) -> None:
     names = [logger] if isinstance(logger, str) else logger
     _check(isinstance(logger, str) or (isinstance(logger, (list, tuple)) and all(isinstance(n, str) for n in logger)),
@@ -500,6 +522,7 @@ def _validate_values(cfg: Config) -> None:
     _check(isinstance(t.keep_every, int) and not isinstance(t.keep_every, bool) and t.keep_every >= 0,
            "trainer.keep_every", t.keep_every, "must be an integer >= 0 (0: only trainer.keep_checkpoints applies)")
     _check(isinstance(t.ckpt_async, bool), "trainer.ckpt_async", t.ckpt_async, "must be true or false")
+    _check_ckpt_dir(t.ckpt_dir)
     _check(t.device in ("auto", "cpu", "cuda"), "trainer.device", t.device, "choose auto, cpu or cuda")
     _check(t.nonfinite in NONFINITE_POLICIES, "trainer.nonfinite", t.nonfinite, f"choose one of {NONFINITE_POLICIES}")
     _check(t.max_consecutive_skips >= 1, "trainer.max_consecutive_skips", t.max_consecutive_skips, "must be >= 1")

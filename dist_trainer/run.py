@@ -198,7 +198,8 @@ def _train(cfg: Config, plan: BatchPlan, env: DistEnv, run_dir: Path, watch: Wat
         dist.broadcast_object_list(problem, src=0)
         if problem[0]:
             raise ConfigError(problem[0])
-    position = resume(parts, plan, env, run_dir, cfg.trainer.seed, cfg.trainer.keep_checkpoints,
+    ckpt_root = checkpoint.checkpoint_dir(run_dir, cfg.trainer.ckpt_dir)  # local, or object storage
+    position = resume(parts, plan, env, ckpt_root, cfg.trainer.seed, cfg.trainer.keep_checkpoints,
                       cfg.trainer.keep_every)
     trackers = start_trackers(cfg, plan, numbers, run_dir, env.is_main, position.step)
     outputs = Outputs(run_dir, env.is_main, logger_names(cfg.logger), plan.max_steps, position.step,
@@ -208,7 +209,7 @@ def _train(cfg: Config, plan: BatchPlan, env: DistEnv, run_dir: Path, watch: Wat
     tcfg = cfg.trainer
     saves = background.build(env, tcfg.keep_checkpoints, tcfg.keep_every, tcfg.ckpt_async, cfg.dist.timeout_s)
     try:
-        summary = _loop(cfg, parts, position, outputs, stop, run_dir, watch, hosts, saves)
+        summary = _loop(cfg, parts, position, outputs, stop, ckpt_root, watch, hosts, saves)
     finally:
         saves.close()
         stop.close()
@@ -264,12 +265,12 @@ def save_final_model(state: Dict[str, torch.Tensor], run_dir: Path, env: DistEnv
             "again in the same directory; it resumes at its end and writes final_model.pt.")
 
 
-def resume(parts: Parts, plan: BatchPlan, env: DistEnv, run_dir: Path, seed: int, keep: int = 3,
+def resume(parts: Parts, plan: BatchPlan, env: DistEnv, ckpt_root: checkpoint.Location, seed: int, keep: int = 3,
            keep_every: int = 0) -> Position:
-    """Load the newest valid checkpoint of the run directory, if there is one."""
+    """Load the newest valid checkpoint of the run's checkpoint directory, if there is one."""
     if env.is_main:
-        checkpoint.clean_up(run_dir, keep, keep_every)
-    loaded = checkpoint.load_latest(run_dir, env)
+        checkpoint.clean_up(ckpt_root, keep, keep_every)
+    loaded = checkpoint.load_latest(ckpt_root, env)
     if loaded is None:
         return Position()
     shared, rng, path = loaded
@@ -277,7 +278,7 @@ def resume(parts: Parts, plan: BatchPlan, env: DistEnv, run_dir: Path, seed: int
     if saved_global != plan.global_batch_size:
         raise ConfigError(
             f"batch.global_batch_size={plan.global_batch_size} on {env.world_size} ranks, but the checkpoint in "
-            f"{run_dir} was trained with a global batch of {saved_global}: set batch.global_batch_size="
+            f"{ckpt_root} was trained with a global batch of {saved_global}: set batch.global_batch_size="
             f"{saved_global} (accum steps are re-derived for the new world size), or start a new run directory"
         )
     checkpoint.check_frozen(shared.get("frozen"), parts.frozen, path)
@@ -302,7 +303,7 @@ def checkpoint_state(parts: Parts, position: Position) -> tuple[Dict[str, Any], 
 
 
 def _loop(cfg: Config, parts: Parts, position: Position, outputs: Outputs, stop: StopRequest,
-          run_dir: Path, watch: Watchdog, hosts: list, saves: background.BlockingSaves) -> Dict[str, Any]:
+          ckpt_root: checkpoint.Location, watch: Watchdog, hosts: list, saves: background.BlockingSaves) -> Dict[str, Any]:
     trainer, eval_set = parts.trainer, parts.eval_set
     env, plan, tcfg = trainer.env, trainer.plan, cfg.trainer
     num_workers = cfg.data.get("num_workers", 0)
@@ -355,7 +356,7 @@ def _loop(cfg: Config, parts: Parts, position: Position, outputs: Outputs, stop:
                 pending = [record]
                 emit = lambda figures: outputs.write({**pending.pop(), **figures})  # noqa: E731
                 try:
-                    saves.save(run_dir, step, *checkpoint_state(parts, position), last or outcome.stop_requested,
+                    saves.save(ckpt_root, step, *checkpoint_state(parts, position), last or outcome.stop_requested,
                                emit)
                 finally:
                     if pending:

@@ -184,30 +184,30 @@ def _protocol(rank, world_size, run_dir, gate_dir):
     from dist_trainer.checkpoint.background import BackgroundSaves
 
     env = distributed.init("cpu")
-    run_dir, gate_dir = Path(run_dir), Path(gate_dir)
+    root, gate_dir = Path(run_dir) / "checkpoints", Path(gate_dir)
     saves = BackgroundSaves(env, keep=10, keep_every=0, timeout_s=60)
     out: Dict[str, Any] = {}
     state = lambda step, gate=None: ({"loop": {"step": step}, "w": torch.full((4,), float(step)),  # noqa: E731
                                       "gate": gate}, None)
 
     first: Dict[str, float] = {}
-    saves.save(run_dir, 1, *state(1, Gate(str(gate_dir / "one"))), False, first.update)
+    saves.save(root, 1, *state(1, Gate(str(gate_dir / "one"))), False, first.update)
     out["first"] = dict(first)
     out["busy_after_first"] = saves.busy()
     out["first_steps"] = _steps(saves, busy_steps=5)  # the gate is shut: still busy at every step
     if rank == 0:
         threading.Timer(1.0, (gate_dir / "one").touch).start()
     second: Dict[str, float] = {}
-    saves.save(run_dir, 2, *state(2), False, second.update)  # waits for the first
+    saves.save(root, 2, *state(2), False, second.update)  # waits for the first
     out["second"] = dict(second)
-    out["sealed_when_second_staged"] = [p.name for p in list_checkpoints(run_dir / "checkpoints")]
+    out["sealed_when_second_staged"] = [p.name for p in list_checkpoints(root)]
     out["second_steps"] = _steps(saves)
     # A write that fails on rank 0 only (the gate opens at once) reaches every rank at the same step.
     (gate_dir / "three").touch()
-    saves.save(run_dir, 3, *state(3, Gate(str(gate_dir / "three"), fail=True)), False, lambda figures: None)
+    saves.save(root, 3, *state(3, Gate(str(gate_dir / "three"), fail=True)), False, lambda figures: None)
     out["third_steps"] = _steps(saves)
-    out["sealed"] = [p.name for p in list_checkpoints(run_dir / "checkpoints")]
-    out["leftovers"] = sorted(p.name for p in (run_dir / "checkpoints").glob(".tmp-*"))
+    out["sealed"] = [p.name for p in list_checkpoints(root)]
+    out["leftovers"] = sorted(p.name for p in root.glob(".tmp-*"))
     saves.close()
     return out
 
@@ -257,7 +257,7 @@ def test_a_run_killed_during_a_background_write_resumes_from_the_sealed_one(tmp_
                 frozen = unsealed[0]
             else:
                 os.kill(workers[1], signal.SIGCONT)
-        sealed = list_checkpoints(run_dir / "checkpoints")
+        sealed = list_checkpoints(root)
         job.kill()  # SIGKILL to every process, the frozen one included
         assert reference.wait(240) == 0, reference.output()[-4000:]
     # Pruning waits for the newer checkpoint's seal: the previous one is there and intact (keep_checkpoints=1).

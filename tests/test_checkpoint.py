@@ -841,7 +841,7 @@ def _save_without_rank1_rng(rank, world_size, run_dir):
         real = checkpoint._save_file
         checkpoint._save_file = lambda obj, path: None if path.name == "rng_rank1.pt" else real(obj, path)
     try:
-        checkpoint.save(Path(run_dir), 2, {"loop": {"step": 2}}, env, keep=3)
+        checkpoint.save(checkpoint.checkpoint_dir(Path(run_dir)), 2, {"loop": {"step": 2}}, env, keep=3)
     except checkpoint.CheckpointError as err:
         return str(err)
     return None

@@ -1,6 +1,7 @@
 """The only module that writes or reads checkpoints.
 
-Layout, in ``<run dir>/checkpoints/``::
+Layout, in ``<run dir>/checkpoints/`` (or ``trainer.ckpt_dir``: a path, or an fsspec URL such as
+``s3://bucket/prefix``; storage.py)::
 
     step_00000100/
         shared.pt          model (FP32; the masters in master modes), optimizer,
@@ -12,8 +13,8 @@ Layout, in ``<run dir>/checkpoints/``::
         manifest.json      size and sha256 of every file above, written last
 
 A checkpoint is written under a temporary name, every file flushed and fsynced,
-then renamed into place, so a crash mid-write never leaves one that looks
-valid; on resume the manifest is checked and a corrupt or truncated checkpoint
+then renamed into place (in object storage: in place, its manifest the last
+object written), so a crash mid-write never leaves one that looks valid; on resume the manifest is checked and a corrupt or truncated checkpoint
 is reported and skipped for the previous one. Everything is read with
 ``torch.load(weights_only=True)``: a checkpoint cannot run code when loaded.
 DCP's own metadata file is a pickle; it is read with an unpickler that admits
@@ -24,12 +25,12 @@ that are not tensors (DCP would unpickle them in full) are refused.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
 import pickle
 import random
-import shutil
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -39,6 +40,8 @@ import torch.distributed as dist
 
 from ..distributed import DistEnv
 from .shards import load_shards, read_shard_metadata, save_shards, shard_tensor_shapes  # noqa: F401
+from .storage import (Location, fsync_dir, free_bytes, is_local, location, open_file, refresh, remove_tree,
+                      size_of)
 
 log = logging.getLogger("dist_trainer")
 
@@ -49,8 +52,9 @@ SHARDS = "shards"
 SHARD_METADATA = f"{SHARDS}/.metadata"
 
 
-def checkpoint_dir(run_dir: Path) -> Path:
-    return run_dir / "checkpoints"
+def checkpoint_dir(run_dir: Path, ckpt_dir: Optional[str] = None) -> Location:
+    """Where a run's checkpoints go: ``trainer.ckpt_dir`` (a path or an fsspec URL), else the run dir's checkpoints/."""
+    return location(ckpt_dir) if ckpt_dir else run_dir / "checkpoints"
 
 
 def _rng_file(rank: int) -> str:
@@ -62,25 +66,26 @@ def _needed_files(world_size: int, sharded: bool = False) -> List[str]:
     return ["shared.pt"] + [_rng_file(r) for r in range(world_size)] + ([SHARD_METADATA] if sharded else [])
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _save_file(obj: Any, path: Path) -> Dict[str, Any]:
-    with open(path, "wb") as f:
+def _save_file(obj: Any, path: Location) -> Dict[str, Any]:
+    with open_file(path, "wb") as f:
         torch.save(obj, f)
         f.flush()
-        os.fsync(f.fileno())
+        if is_local(path):
+            os.fsync(f.fileno())
     return _describe(path)
 
 
-def _describe(path: Path) -> Dict[str, Any]:
+def _describe(path: Location) -> Dict[str, Any]:
     """A file's manifest entry: its size and sha256."""
-    return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    return {"bytes": size_of(path), "sha256": sha256_file(path)}
+
+
+def _load(path: Location) -> Any:
+    """torch.load(weights_only=True) of a checkpoint file, local or in object storage."""
+    if is_local(path):
+        return torch.load(path, map_location="cpu", weights_only=True)
+    with open_file(path, "rb") as f:
+        return torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=True)
 
 
 def frozen_digest(model: torch.nn.Module) -> Optional[str]:
@@ -106,10 +111,10 @@ def check_frozen(saved: Optional[str], built: Optional[str], where: Path) -> Non
                               "did, or start a new run directory")
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: Location) -> str:
     """The sha256 of a file, read in 1 MiB blocks."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_file(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
@@ -139,7 +144,7 @@ def restore_rng(state: Dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def save(run_dir: Path, step: int, shared: Dict[str, Any], env: DistEnv, keep: int,
+def save(root: Location, step: int, shared: Dict[str, Any], env: DistEnv, keep: int,
          sharded: Optional[Dict[str, Any]] = None, keep_every: int = 0, *, rng: Optional[Dict[str, Any]] = None,
          group: Optional[dist.ProcessGroup] = None, before_seal: Callable[[], None] = lambda: None) -> Path:
     """Write one checkpoint; every rank calls this (each writes its own RNG file, and its shards).
@@ -156,12 +161,12 @@ def save(run_dir: Path, step: int, shared: Dict[str, Any], env: DistEnv, keep: i
     collectives (a background save has its own); ``before_seal``: called on
     every rank once every file is written, before any rank seals.
     """
-    root = checkpoint_dir(run_dir)
     final = root / f"{PREFIX}{step:08d}"
-    tmp = root / f".tmp-{PREFIX}{step:08d}"
+    # Object storage cannot rename a directory: there the checkpoint is written in place, its manifest last.
+    tmp = root / f".tmp-{PREFIX}{step:08d}" if is_local(root) else final
 
     def make_tmp() -> None:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_tree(tmp)
         tmp.mkdir(parents=True)
 
     _phase(env, "creating the checkpoint directory", tmp, make_tmp if env.is_main else None, shared, sharded, group)
@@ -184,6 +189,7 @@ def save(run_dir: Path, step: int, shared: Dict[str, Any], env: DistEnv, keep: i
     # NFS directory cache) must stop the run, not seal a checkpoint without it.
     files: Dict[str, Any] = {name: meta for part in described for name, meta in part.items() if meta is not None}
     needed = _needed_files(env.world_size, sharded is not None)
+    refresh(tmp)  # other ranks wrote there: a cached listing would not show their files
     missing = [[name for name in needed + sorted(files) if not (tmp / name).is_file()] if env.is_main else None]
     dist.broadcast_object_list(missing, src=0, group=group)
     if missing[0]:
@@ -196,14 +202,16 @@ def save(run_dir: Path, step: int, shared: Dict[str, Any], env: DistEnv, keep: i
     def seal() -> None:
         manifest = {"step": step, "world_size": env.world_size, "format": FORMAT_VERSION,
                     "sharded": sharded is not None, "files": dict(sorted(files.items()))}
-        with open(tmp / MANIFEST, "w") as f:
-            json.dump(manifest, f, indent=1)
+        with open_file(tmp / MANIFEST, "wb") as f:
+            f.write(json.dumps(manifest, indent=1).encode())
             f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        shutil.rmtree(final, ignore_errors=True)  # a re-save of the same step replaces it
-        os.replace(tmp, final)
-        _fsync_dir(root)
+            if is_local(tmp):
+                os.fsync(f.fileno())
+        if is_local(root):
+            fsync_dir(tmp)
+            remove_tree(final)  # a re-save of the same step replaces it
+            os.replace(tmp, final)
+            fsync_dir(root)
         _prune(root, keep, keep_every)
 
     _phase(env, "sealing the checkpoint", tmp, seal if env.is_main else None, shared, sharded, group)
@@ -238,7 +246,7 @@ def _phase(env: DistEnv, what: str, tmp: Path, action: Optional[Callable[[], Any
         return [r for _, r in outcomes]
     message = [None]
     if env.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)  # the partial checkpoint: debris that would fill the disk again
+        remove_tree(tmp)  # the partial checkpoint: debris that would fill the disk again
         message = [_write_failure(what, tmp, failed, shared, sharded, env.world_size)]
     dist.broadcast_object_list(message, src=0, group=group)
     raise CheckpointWriteError(message[0])
@@ -254,8 +262,9 @@ def _write_failure(what: str, tmp: Path, failed: List[str], shared: Dict[str, An
     else:
         need = _tensor_bytes(shared) + world_size * _tensor_bytes(sharded or {})
     try:
-        left = shutil.disk_usage(root).free
-        free = (f"{left / 2**20:,.1f} MiB are free there" + (" (the disk is full)" if left < need else ""))
+        left = free_bytes(root)
+        free = ("the free space of object storage cannot be known" if left is None else
+                f"{left / 2**20:,.1f} MiB are free there" + (" (the disk is full)" if left < need else ""))
     except OSError:
         free = "the free space there cannot be read"
     return (f"checkpoint {tmp.name.replace('.tmp-', '')} failed while {what} in {root}: " + "; ".join(failed)
@@ -282,26 +291,31 @@ def kept_for_good(path: Path, keep_every: int) -> bool:
     return keep_every > 0 and int(path.name[len(PREFIX):]) % keep_every == 0
 
 
-def _prune(root: Path, keep: int, keep_every: int = 0) -> None:
+def _prune(root: Location, keep: int, keep_every: int = 0) -> None:
     for old in list_checkpoints(root)[keep:]:
         if not kept_for_good(old, keep_every):
-            shutil.rmtree(old, ignore_errors=True)
+            remove_tree(old)
 
 
-def list_checkpoints(root: Path) -> List[Path]:
-    """Sealed checkpoints, newest first (temporary, unsealed ones never match)."""
+def list_checkpoints(root: Location) -> List[Location]:
+    """Sealed checkpoints, newest first (temporary, unsealed ones never match).
+
+    A local one is sealed by its rename; one in object storage by its manifest.
+    """
+    refresh(root)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)]
+    found = [p for p in root.iterdir() if p.name.startswith(PREFIX) and p.is_dir()
+             and (is_local(p) or (p / MANIFEST).exists())]
     return sorted(found, key=lambda p: p.name, reverse=True)
 
 
-def verify(path: Path) -> Optional[str]:
+def verify(path: Location) -> Optional[str]:
     """None if the checkpoint is intact, else what is wrong with it."""
     return _read_verified(path)[0]
 
 
-def _read_verified(path: Path) -> tuple[Optional[str], Dict[str, Any]]:
+def _read_verified(path: Location) -> tuple[Optional[str], Dict[str, Any]]:
     """(what is wrong with the checkpoint or None, its files loaded by name when intact)."""
     try:
         manifest = json.loads((path / MANIFEST).read_text())
@@ -309,8 +323,8 @@ def _read_verified(path: Path) -> tuple[Optional[str], Dict[str, Any]]:
             file = path / name
             if not file.is_file():
                 return f"{name} is missing", {}
-            if file.stat().st_size != meta["bytes"]:
-                return f"{name} has {file.stat().st_size} bytes, the manifest says {meta['bytes']}", {}
+            if size_of(file) != meta["bytes"]:
+                return f"{name} has {size_of(file)} bytes, the manifest says {meta['bytes']}", {}
             if sha256_file(file) != meta["sha256"]:
                 return f"{name} does not match its sha256", {}
         absent = [name for name in _needed_files(manifest["world_size"], manifest.get("sharded", False))
@@ -325,7 +339,7 @@ def _read_verified(path: Path) -> tuple[Optional[str], Dict[str, Any]]:
             if name == SHARD_METADATA:
                 read_shard_metadata(path / SHARDS)
             elif not name.startswith(f"{SHARDS}/"):  # DCP's data files: read as tensors only, when loaded
-                loaded[name] = torch.load(path / name, map_location="cpu", weights_only=True)
+                loaded[name] = _load(path / name)
         except pickle.UnpicklingError as err:
             how = "torch.load(weights_only=True)" if name != SHARD_METADATA else f"the metadata unpickler ({err})"
             return (f"{name} holds objects other than tensors and plain values; {how} refused it, "
@@ -333,7 +347,7 @@ def _read_verified(path: Path) -> tuple[Optional[str], Dict[str, Any]]:
     return None, loaded
 
 
-def read_model(path: Path) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
+def read_model(path: Location) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
     """(shared.pt, the whole FP32 model state dict) of one checkpoint, read in this process alone.
 
     Any checkpoint: ddp (rank 0 wrote the model whole) or fsdp of any world size.
@@ -354,7 +368,7 @@ class CheckpointError(RuntimeError):
     """Checkpoints exist but none can be used; nothing was changed."""
 
 
-def _newest_valid(root: Path) -> tuple[Optional[Path], List[str], Dict[str, Any]]:
+def _newest_valid(root: Location) -> tuple[Optional[Location], List[str], Dict[str, Any]]:
     """The newest checkpoint that passes ``verify``, what was wrong with newer ones, and its loaded files."""
     problems = []
     for path in list_checkpoints(root):
@@ -366,7 +380,7 @@ def _newest_valid(root: Path) -> tuple[Optional[Path], List[str], Dict[str, Any]
     return None, problems, {}
 
 
-def clean_up(run_dir: Path, keep: int, keep_every: int = 0) -> None:
+def clean_up(root: Location, keep: int, keep_every: int = 0) -> None:
     """At start (rank 0): remove this run's stale temporary checkpoints and prune beyond ``keep``.
 
     A temporary directory is never a checkpoint (it was not sealed): a write
@@ -375,12 +389,15 @@ def clean_up(run_dir: Path, keep: int, keep_every: int = 0) -> None:
     so nothing valid goes unless ``keep`` newer valid ones exist, and newer
     unusable ones stay for inspection.
     """
-    root = checkpoint_dir(run_dir)
+    refresh(root)
     if not root.is_dir():
         return
-    for stale in root.glob(f".tmp-{PREFIX}*"):
+    # Local: a temporary name; object storage: a checkpoint's prefix without its manifest.
+    unsealed = list(root.glob(f".tmp-{PREFIX}*")) if is_local(root) else \
+        [p for p in root.glob(f"{PREFIX}*") if not (p / MANIFEST).exists()]
+    for stale in unsealed:
         log.warning("removing %s, a checkpoint that was never sealed (its write did not finish)", stale)
-        shutil.rmtree(stale, ignore_errors=True)
+        remove_tree(stale)
     sealed = list_checkpoints(root)
     if len(sealed) <= keep:
         return
@@ -392,11 +409,11 @@ def clean_up(run_dir: Path, keep: int, keep_every: int = 0) -> None:
                 if kept_for_good(old, keep_every):
                     continue
                 log.info("removing %s: %d newer valid checkpoints are kept (trainer.keep_checkpoints)", old, keep)
-                shutil.rmtree(old, ignore_errors=True)
+                remove_tree(old)
             return
 
 
-def load_latest(run_dir: Path, env: DistEnv) -> Optional[Tuple[Dict[str, Any], Optional[Dict[str, Any]], Path]]:
+def load_latest(root: Location, env: DistEnv) -> Optional[Tuple[Dict[str, Any], Optional[Dict[str, Any]], Location]]:
     """(shared state, this rank's RNG state or None, its directory) of the newest valid checkpoint.
 
     Rank 0 checks the files and broadcasts its choice, so every rank resumes
@@ -405,23 +422,22 @@ def load_latest(run_dir: Path, env: DistEnv) -> Optional[Tuple[Dict[str, Any], O
     choice: List[Any] = [None, []]
     loaded: Dict[str, Any] = {}  # rank 0: the files it verified, so that it does not read them twice
     if env.is_main:
-        path, problems, loaded = _newest_valid(checkpoint_dir(run_dir))
+        path, problems, loaded = _newest_valid(root)
         choice = [str(path) if path else "", problems]
     dist.broadcast_object_list(choice, src=0)
     if not choice[0]:
         if choice[1]:  # starting afresh would overwrite and prune them: stop, and lose nothing
             raise CheckpointError(
-                f"no usable checkpoint in {checkpoint_dir(run_dir)}: " + "; ".join(choice[1])
+                f"no usable checkpoint in {root}: " + "; ".join(choice[1])
                 + ". Nothing was changed. Move the checkpoints away to start this run directory afresh, "
                 "or set hydra.run.dir to a new directory."
             )
         return None
-    path = Path(choice[0])
-    shared = loaded["shared.pt"] if "shared.pt" in loaded else torch.load(path / "shared.pt", map_location="cpu",
-                                                                      weights_only=True)
+    path = location(choice[0])
+    shared = loaded["shared.pt"] if "shared.pt" in loaded else _load(path / "shared.pt")
     rng_name = _rng_file(env.rank)
     rng = loaded.get(rng_name)
     if rng is None and (path / rng_name).exists():
-        rng = torch.load(path / rng_name, map_location="cpu", weights_only=True)
+        rng = _load(path / rng_name)
     log.info("resuming from %s (step %d)", path, shared["loop"]["step"])
     return shared, rng, path

@@ -33,7 +33,6 @@ import copy
 import logging
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
 import torch
@@ -41,6 +40,7 @@ import torch.distributed as dist
 
 from ..distributed import DistEnv
 from . import capture_rng, save
+from .storage import Location
 
 log = logging.getLogger("dist_trainer")
 
@@ -94,12 +94,12 @@ class BlockingSaves:
     def busy(self) -> bool:
         return False
 
-    def save(self, run_dir: Path, step: int, shared: Dict[str, Any], sharded: Optional[Dict[str, Any]],
+    def save(self, root: Location, step: int, shared: Dict[str, Any], sharded: Optional[Dict[str, Any]],
              final: bool, written: Callable[[Figures], None]) -> None:
         """Write the checkpoint of ``step``; ``written`` gets the step's figures once its files are written,
         before the seal, so that a sealed checkpoint always has its step's record in metrics.jsonl."""
         began = time.perf_counter()
-        path = save(run_dir, step, shared, self.env, self.keep, sharded, self.keep_every,
+        path = save(root, step, shared, self.env, self.keep, sharded, self.keep_every,
                     before_seal=lambda: written({"ckpt_blocking_s": time.perf_counter() - began}))
         log.info("step %d: checkpoint %s", step, path)
 
@@ -123,14 +123,14 @@ class BackgroundSaves(BlockingSaves):
     def busy(self) -> bool:
         return self.thread is not None and self.thread.is_alive()
 
-    def save(self, run_dir: Path, step: int, shared: Dict[str, Any], sharded: Optional[Dict[str, Any]],
+    def save(self, root: Location, step: int, shared: Dict[str, Any], sharded: Optional[Dict[str, Any]],
              final: bool, written: Callable[[Figures], None]) -> None:
         began = time.perf_counter()
         figures = self._finish() if self.thread is not None else {}  # at most one save in flight
         if figures:
             figures["ckpt_wait_s"] = time.perf_counter() - began
         if final:  # nothing may run at exit: the last one is written before the step returns
-            path = save(run_dir, step, shared, self.env, self.keep, sharded, self.keep_every, group=self.group,
+            path = save(root, step, shared, self.env, self.keep, sharded, self.keep_every, group=self.group,
                         before_seal=lambda: written({**figures,
                                                      "ckpt_blocking_s": time.perf_counter() - began}))
             log.info("step %d: checkpoint %s", step, path)
@@ -140,16 +140,16 @@ class BackgroundSaves(BlockingSaves):
         staged_shared, shared_bytes = stage(shared) if self.env.is_main else ({}, 0)
         staged_sharded, sharded_bytes = stage(sharded) if sharded is not None else (None, 0)
         self.thread = threading.Thread(target=self._write, name=f"checkpoint-step-{step}", daemon=True,
-                                       args=(run_dir, step, staged_shared, staged_sharded, rng))
+                                       args=(root, step, staged_shared, staged_sharded, rng))
         self.thread.start()
         written({**figures, "ckpt_staging_mb": (shared_bytes + sharded_bytes) / MIB,
                  "ckpt_blocking_s": time.perf_counter() - began})
 
-    def _write(self, run_dir: Path, step: int, shared: Dict[str, Any], sharded: Optional[Dict[str, Any]],
+    def _write(self, root: Location, step: int, shared: Dict[str, Any], sharded: Optional[Dict[str, Any]],
                rng: Dict[str, Any]) -> None:
         began = time.perf_counter()
         try:
-            path = save(run_dir, step, shared, self.env, self.keep, sharded, self.keep_every, rng=rng,
+            path = save(root, step, shared, self.env, self.keep, sharded, self.keep_every, rng=rng,
                         group=self.group)
             self.result = {"step": step, "path": path, "write_s": time.perf_counter() - began}
         except BaseException as err:  # handed to the training thread, which raises it on every rank

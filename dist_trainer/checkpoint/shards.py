@@ -1,9 +1,11 @@
-"""DCP's part of a checkpoint: each rank's shards of the sharded state, and their metadata read safely."""
+"""DCP's part of a checkpoint: each rank's shards of the sharded state, and their metadata read safely.
+
+``shards`` is a local ``Path`` or a ``storage.Remote`` (DCP's fsspec reader and writer then).
+"""
 
 from __future__ import annotations
 
 import pickle
-from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -29,11 +31,13 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's shard metadata")
 
 
-def read_shard_metadata(shards: Path) -> Any:
+def read_shard_metadata(shards: Any) -> Any:
     """DCP's metadata of a sharded checkpoint, unpickled safely; only tensor items are accepted."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    with open(shards / ".metadata", "rb") as f:
+    from .storage import open_file
+
+    with open_file(shards / ".metadata", "rb") as f:
         metadata = _MetadataUnpickler(f).load()
     others = [key for key, item in metadata.state_dict_metadata.items()
               if not isinstance(item, TensorStorageMetadata)]
@@ -42,18 +46,23 @@ def read_shard_metadata(shards: Path) -> Any:
     return metadata
 
 
-def save_shards(state: Dict[str, Any], shards: Path, group: Optional[dist.ProcessGroup] = None) -> List[str]:
+def save_shards(state: Dict[str, Any], shards: Any, group: Optional[dist.ProcessGroup] = None) -> List[str]:
     """Every rank writes its own shards of ``state`` (DTensors, or tensors every rank holds) with DCP.
 
     Returns the files this rank wrote: DCP names them ``__<rank in group>_<n>.distcp``.
     """
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(shards), sync_files=True), process_group=group)
+    from .storage import is_local, refresh
+
+    writer = (dcp.FileSystemWriter(str(shards), sync_files=True) if is_local(shards) else
+              _fsspec().FsspecWriter(str(shards), sync_files=False))  # an object is durable once written
+    dcp.save(state, storage_writer=writer, process_group=group)
+    refresh(shards)
     return sorted(p.name for p in shards.glob(f"__{dist.get_rank(group)}_*"))
 
 
-def load_shards(state: Dict[str, Any], shards: Path) -> None:
+def load_shards(state: Dict[str, Any], shards: Any) -> None:
     """Fill ``state``'s tensors in place from a sharded checkpoint, resharding to their layout.
 
     ``state`` may hold DTensors of any mesh (fsdp on any world size) or whole
@@ -63,7 +72,9 @@ def load_shards(state: Dict[str, Any], shards: Path) -> None:
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import StorageMeta
 
-    class SafeReader(dcp.FileSystemReader):
+    from .storage import is_local
+
+    class SafeReader(dcp.FileSystemReader if is_local(shards) else _fsspec().FsspecReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             metadata = read_shard_metadata(shards)
             if getattr(metadata, "storage_meta", None) is None:
@@ -80,7 +91,15 @@ def load_shards(state: Dict[str, Any], shards: Path) -> None:
     dcp.load(state, storage_reader=SafeReader(str(shards)), planner=TensorsOnly())
 
 
-def shard_tensor_shapes(shards: Path) -> Dict[str, Tuple[torch.Size, torch.dtype]]:
+def _fsspec() -> Any:
+    """DCP's fsspec reader and writer (object storage). torch 2.13 has them in this module only, not in
+    torch.distributed.checkpoint's namespace; they are DCP's own file reader and writer over fsspec."""
+    from torch.distributed.checkpoint import _fsspec_filesystem
+
+    return _fsspec_filesystem
+
+
+def shard_tensor_shapes(shards: Any) -> Dict[str, Tuple[torch.Size, torch.dtype]]:
     """Key -> (whole shape, dtype) of every tensor a sharded checkpoint holds."""
     metadata = read_shard_metadata(shards)
     return {key: (item.size, item.properties.dtype) for key, item in metadata.state_dict_metadata.items()}

@@ -1,6 +1,7 @@
 """Trained weights back to Hugging Face: ``hf_model/`` at the end of a run, or from any checkpoint.
 
     python -m dist_trainer.export CHECKPOINT_DIR OUT_DIR     (a checkpoint, or a run directory: its newest)
+    python -m dist_trainer.export s3://bucket/prefix OUT_DIR  (a trainer.ckpt_dir, a path or a URL: its newest)
     python -m dist_trainer.export CHECKPOINT_DIR OUT_DIR --adapter-out ADAPTER_DIR    (a LoRA model)
 
 The model is rebuilt from the configuration every checkpoint records
@@ -26,7 +27,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Union
 
 import torch
 
@@ -96,25 +97,25 @@ def _peft_copy(module: torch.nn.Module, hf_state: Dict[str, torch.Tensor]) -> to
     return copy_model
 
 
-def _checkpoint_of(path: Path) -> Path:
-    """A checkpoint directory as given, or a run directory's newest valid one."""
+def _checkpoint_of(path: checkpoint.Location) -> checkpoint.Location:
+    """A checkpoint as given, or the newest valid one of a run directory or of a trainer.ckpt_dir (path or URL)."""
     if (path / checkpoint.MANIFEST).is_file():
         return path
-    found = [ckpt for ckpt in checkpoint.list_checkpoints(path / "checkpoints")  # newest first
-             if checkpoint.verify(ckpt) is None]
+    found = [ckpt for root in (path / "checkpoints", path) for ckpt in checkpoint.list_checkpoints(root)
+             if checkpoint.verify(ckpt) is None]  # newest first
     if not found:
         raise ConfigError(f"{path}: neither a checkpoint (no {checkpoint.MANIFEST}) nor a run directory "
-                          "with a valid checkpoint")
+                          "or trainer.ckpt_dir with a valid checkpoint")
     return found[0]
 
 
-def export(path: Path, out: Path, adapter_out: Optional[Path] = None) -> Path:
+def export(path: Union[str, Path], out: Path, adapter_out: Optional[Path] = None) -> checkpoint.Location:
     """Rebuild the model from the configuration the checkpoint records, load its weights, write ``out``."""
     from hydra.utils import instantiate
 
     from ..precision import load_trained
 
-    ckpt = _checkpoint_of(path)
+    ckpt = _checkpoint_of(checkpoint.location(path))
     shared, state = checkpoint.read_model(ckpt)
     model_cfg = shared.get("model_config") or {}
     if model_cfg.get("_target_") != "dist_trainer.hf.models.hf_model":
@@ -131,7 +132,8 @@ def export(path: Path, out: Path, adapter_out: Optional[Path] = None) -> Path:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m dist_trainer.export", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", type=Path, metavar="CHECKPOINT_DIR", help="a checkpoint, or a run directory")
+    parser.add_argument("checkpoint", metavar="CHECKPOINT_DIR",
+                        help="a checkpoint, a run directory, or a trainer.ckpt_dir (a path or a URL: s3://bucket/prefix)")
     parser.add_argument("out", type=Path, metavar="OUT_DIR")
     parser.add_argument("--adapter-out", type=Path, metavar="ADAPTER_DIR",
                         help="a LoRA model's adapters (default: hf_adapter beside OUT_DIR)")
