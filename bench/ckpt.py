@@ -61,7 +61,7 @@ def measure(overrides, steps: int, every: int, background: bool) -> dict:
                      "trainer.keep_checkpoints=2"], steps)
     saves = [r for r in recs if "ckpt_blocking_s" in r and r["step"] < steps]
     writing = set()
-    for r in saves:  # the steps after a background save, until its write is logged as sealed
+    for r in saves if background else []:  # the steps after a background save, until its write is logged as sealed
         later = [q["step"] for q in recs if q["step"] > r["step"] and "ckpt_write_s" in q]
         writing.update(range(r["step"] + 1, (later[0] if later else steps) + 1))
     plain = [r["step_time_s"] for r in recs if r["step"] > 1 and "ckpt_blocking_s" not in r
