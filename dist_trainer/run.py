@@ -302,6 +302,23 @@ def checkpoint_state(parts: Parts, position: Position) -> tuple[Dict[str, Any], 
     return shared, sharded
 
 
+def save_with_record(saves: background.BlockingSaves, ckpt_root: checkpoint.Location, parts: Parts,
+                     position: Position, final: bool, record: Dict[str, Any], outputs: Outputs) -> None:
+    """The step's checkpoint, and its record with the save's figures.
+
+    The record is written as soon as the save lets the step go on (its files
+    written, or staged), before any seal: a sealed checkpoint always has its
+    step's record, which a resume keeps. It is written even if the save fails.
+    """
+    pending = [record]
+    try:
+        saves.save(ckpt_root, position.step, *checkpoint_state(parts, position), final,
+                   lambda figures: outputs.write({**pending.pop(), **figures}))
+    finally:
+        if pending:
+            outputs.write(pending.pop())
+
+
 def _loop(cfg: Config, parts: Parts, position: Position, outputs: Outputs, stop: StopRequest,
           ckpt_root: checkpoint.Location, watch: Watchdog, hosts: list, saves: background.BlockingSaves) -> Dict[str, Any]:
     trainer, eval_set = parts.trainer, parts.eval_set
@@ -351,16 +368,7 @@ def _loop(cfg: Config, parts: Parts, position: Position, outputs: Outputs, stop:
             record.update(saves.after_step(outcome.busy))
             if last or outcome.stop_requested or (tcfg.ckpt_every and step % tcfg.ckpt_every == 0):
                 watch.begin("checkpoint", step)
-                # The step's record is written once the save lets the step go on (files written, or staged),
-                # before any seal: a sealed checkpoint always has its step's record. Written even if it fails.
-                pending = [record]
-                emit = lambda figures: outputs.write({**pending.pop(), **figures})  # noqa: E731
-                try:
-                    saves.save(ckpt_root, step, *checkpoint_state(parts, position), last or outcome.stop_requested,
-                               emit)
-                finally:
-                    if pending:
-                        outputs.write(pending.pop())
+                save_with_record(saves, ckpt_root, parts, position, last or outcome.stop_requested, record, outputs)
             else:
                 outputs.write(record)
             if cfg.dist.check_consistency_every and step % cfg.dist.check_consistency_every == 0:

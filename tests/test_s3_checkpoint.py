@@ -80,6 +80,7 @@ def _names(fs, prefix: str):
     return sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{BUCKET}/{prefix}", detail=False))
 
 
+@pytest.mark.slow  # four 2-rank runs through a local S3 server, about a minute: .ci/run runs it with the slow set
 def test_sharded_background_saves_to_s3_prune_and_resume_bit_identical(s3, tmp_path):
     url = f"s3://{BUCKET}/fsdp"
     remote = ARGS + [f"trainer.ckpt_dir={url}", "trainer.keep_checkpoints=1", "trainer.ckpt_async=true"]
