@@ -131,8 +131,8 @@ def main() -> None:
     table = {}
     for model in models:
         for strategy in STRATEGIES:
-            sync = {k: _median([r[k] for r in results[(model, strategy, False)]]) for k in results[(model, strategy, False)][0]}
-            bg = {k: _median([r[k] for r in results[(model, strategy, True)]]) for k in results[(model, strategy, True)][0]}
+            sync, bg = ({key: _median([r[key] for r in rows]) for key in rows[0]}
+                        for rows in (results[(model, strategy, False)], results[(model, strategy, True)]))
             table[f"{model}, {strategy}"] = {"blocking": sync, "background": bg}
             print(f"| {model} | {strategy} | {sync['blocking_s']:.3f} | {bg['blocking_s']:.3f}, {bg['wait_s']:.3f} | "
                   f"{sync['blocking_s'] / bg['blocking_s']:.1f}x | {bg['write_s']:.3f} | "

@@ -320,7 +320,8 @@ def save_with_record(saves: background.BlockingSaves, ckpt_root: checkpoint.Loca
 
 
 def _loop(cfg: Config, parts: Parts, position: Position, outputs: Outputs, stop: StopRequest,
-          ckpt_root: checkpoint.Location, watch: Watchdog, hosts: list, saves: background.BlockingSaves) -> Dict[str, Any]:
+          ckpt_root: checkpoint.Location, watch: Watchdog, hosts: list,
+          saves: background.BlockingSaves) -> Dict[str, Any]:
     trainer, eval_set = parts.trainer, parts.eval_set
     env, plan, tcfg = trainer.env, trainer.plan, cfg.trainer
     num_workers = cfg.data.get("num_workers", 0)

@@ -143,6 +143,24 @@ def test_background_checkpoints_of_sharded_and_master_runs_equal_blocking_ones(t
         assert len(set(scales)) > 1, scales
 
 
+def test_the_stager_copies_into_the_same_buffers_save_after_save_and_keeps_ties():
+    from dist_trainer.checkpoint.background import Stager
+
+    weight = torch.arange(6.0).reshape(2, 3)
+    state = {"model": {"emb": weight, "head": weight.detach()}, "optimizer": [torch.ones(4)], "step": 1}
+    stager = Stager()
+    first, size = stager.stage(state)
+    assert size == (6 + 4) * 4  # the tied weight once
+    assert first["model"]["emb"] is first["model"]["head"] and first["step"] == 1
+    assert torch.equal(first["model"]["emb"], weight) and first["model"]["emb"].data_ptr() != weight.data_ptr()
+    buffers = {name: t.data_ptr() for name, t in (("emb", first["model"]["emb"]), ("moment", first["optimizer"][0]))}
+    weight.add_(1.0)  # training went on: the copy did not move
+    assert torch.equal(first["model"]["emb"], torch.arange(6.0).reshape(2, 3))
+    second, _ = stager.stage(state)  # the next save: the same buffers, refilled
+    assert {"emb": second["model"]["emb"].data_ptr(), "moment": second["optimizer"][0].data_ptr()} == buffers
+    assert torch.equal(second["model"]["emb"], weight)
+
+
 # --------------------------------------------------------------------------- the protocol, on spawned ranks
 
 class Gate:

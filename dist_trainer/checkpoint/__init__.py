@@ -14,8 +14,9 @@ Layout, in ``<run dir>/checkpoints/`` (or ``trainer.ckpt_dir``: a path, or an fs
 
 A checkpoint is written under a temporary name, every file flushed and fsynced,
 then renamed into place (in object storage: in place, its manifest the last
-object written), so a crash mid-write never leaves one that looks valid; on resume the manifest is checked and a corrupt or truncated checkpoint
-is reported and skipped for the previous one. Everything is read with
+object written), so a crash mid-write never leaves one that looks valid; on
+resume the manifest is checked and a corrupt or truncated checkpoint is
+reported and skipped for the previous one. Everything is read with
 ``torch.load(weights_only=True)``: a checkpoint cannot run code when loaded.
 DCP's own metadata file is a pickle; it is read with an unpickler that admits
 only DCP's metadata classes, torch dtypes, sizes and paths, and shard items

@@ -48,41 +48,65 @@ MIB = 2**20
 Figures = Dict[str, float]  # what metrics.jsonl gets for a checkpoint: ckpt_blocking_s, ckpt_write_s, ...
 
 
-def stage(obj: Any) -> tuple[Any, int]:
-    """(a copy of ``obj`` whose tensors are in host memory, the bytes those copies take).
+class Stager:
+    """Copies a checkpoint's state into host memory, into the same buffers save after save.
 
-    Tensors that share their data (a tied weight under two names) are copied
-    once and stay shared. A DTensor keeps its mesh and placements around a copy
-    of its local shard, which is all DCP reads.
+    The buffers are allocated at the first save and kept (``ckpt_staging_mb``,
+    which plan mode predicts): later saves only copy, with no allocation and
+    no page faults, which for a GiB of state is most of the cost. They are
+    free to refill because at most one save is in flight and it has finished
+    before the next is staged. From a GPU the buffers are pinned and the
+    copies asynchronous, waited for once at the end.
     """
-    copies: Dict[tuple, torch.Tensor] = {}
-    size = [0]
 
-    def copy_tensor(t: torch.Tensor) -> torch.Tensor:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        key = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape),
-               tuple(local.stride()), local.dtype, local.device)
-        if key not in copies or not key[0]:
-            copied = local.detach().to("cpu", copy=True)
-            size[0] += copied.numel() * copied.element_size()
+    def __init__(self) -> None:
+        self.buffers: Dict[tuple, torch.Tensor] = {}
+
+    def stage(self, obj: Any) -> tuple[Any, int]:
+        """(a copy of ``obj`` whose tensors are in host memory, the bytes those copies take).
+
+        Tensors that share their data (a tied weight under two names) are
+        copied once and stay shared. A DTensor keeps its mesh and placements
+        around a copy of its local shard, which is all DCP reads.
+        """
+        copies: Dict[tuple, torch.Tensor] = {}
+        size, from_gpu = [0], [False]
+
+        def copy_tensor(where: tuple, t: torch.Tensor) -> torch.Tensor:
+            local = t.to_local() if hasattr(t, "to_local") else t
+            key = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape),
+                   tuple(local.stride()), local.dtype, local.device)
+            if key in copies and key[0]:
+                return copies[key]
+            buffer = self.buffers.get(where)
+            if buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:
+                buffer = torch.empty(local.shape, dtype=local.dtype, pin_memory=local.is_cuda)
+                self.buffers[where] = buffer
+            buffer.copy_(local.detach(), non_blocking=local.is_cuda)
+            from_gpu[0] |= local.is_cuda
+            size[0] += buffer.numel() * buffer.element_size()
+            copied = buffer
             if local is not t:  # a DTensor: the same layout around the copied shard
                 from torch.distributed.tensor import DTensor
 
-                copied = DTensor.from_local(copied, t.device_mesh, t.placements, run_check=False,
+                copied = DTensor.from_local(buffer, t.device_mesh, t.placements, run_check=False,
                                             shape=t.shape, stride=t.stride())
             copies[key] = copied
-        return copies[key]
+            return copied
 
-    def walk(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return copy_tensor(value)
-        if isinstance(value, dict):
-            return type(value)((k, walk(v)) for k, v in value.items())
-        if isinstance(value, (list, tuple)):
-            return type(value)(walk(v) for v in value)
-        return copy.deepcopy(value)
+        def walk(where: tuple, value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                return copy_tensor(where, value)
+            if isinstance(value, dict):
+                return type(value)((k, walk(where + (k,), v)) for k, v in value.items())
+            if isinstance(value, (list, tuple)):
+                return type(value)(walk(where + (i,), v) for i, v in enumerate(value))
+            return copy.deepcopy(value)
 
-    return walk(obj), size[0]
+        staged = walk((), obj)
+        if from_gpu[0]:
+            torch.cuda.synchronize()  # every copy has landed before training changes the source
+        return staged, size[0]
 
 
 class BlockingSaves:
@@ -119,6 +143,7 @@ class BackgroundSaves(BlockingSaves):
         self.group = dist.new_group(backend="gloo", timeout=_timedelta(timeout_s))
         self.thread: Optional[threading.Thread] = None
         self.result: Dict[str, Any] = {}
+        self.stager = Stager()
 
     def busy(self) -> bool:
         return self.thread is not None and self.thread.is_alive()
@@ -137,10 +162,12 @@ class BackgroundSaves(BlockingSaves):
             return
         rng = capture_rng(self.env.device)
         # Only rank 0 writes shared.pt; every rank writes its own shards.
-        staged_shared, shared_bytes = stage(shared) if self.env.is_main else ({}, 0)
-        staged_sharded, sharded_bytes = stage(sharded) if sharded is not None else (None, 0)
+        staged_shared, shared_bytes = self.stager.stage({"shared": shared}) if self.env.is_main else ({}, 0)
+        staged_sharded, sharded_bytes = (self.stager.stage({"sharded": sharded}) if sharded is not None
+                                         else ({}, 0))
         self.thread = threading.Thread(target=self._write, name=f"checkpoint-step-{step}", daemon=True,
-                                       args=(root, step, staged_shared, staged_sharded, rng))
+                                       args=(root, step, staged_shared.get("shared"), staged_sharded.get("sharded"),
+                                             rng))
         self.thread.start()
         written({**figures, "ckpt_staging_mb": (shared_bytes + sharded_bytes) / MIB,
                  "ckpt_blocking_s": time.perf_counter() - began})
