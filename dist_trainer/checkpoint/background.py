@@ -33,6 +33,7 @@ import copy
 import logging
 import threading
 import time
+from datetime import timedelta
 from typing import Any, Callable, Dict, Optional
 
 import torch
@@ -140,7 +141,7 @@ class BackgroundSaves(BlockingSaves):
     def __init__(self, env: DistEnv, keep: int, keep_every: int, timeout_s: float):
         super().__init__(env, keep, keep_every)
         # Every rank creates it, in the same order as its other groups: new_group is collective.
-        self.group = dist.new_group(backend="gloo", timeout=_timedelta(timeout_s))
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self.thread: Optional[threading.Thread] = None
         self.result: Dict[str, Any] = {}
         self.stager = Stager()
@@ -213,12 +214,6 @@ def host_memory_problem(staging_mb: float, local_ranks: int, available: Optional
             f"rank (ckpt_staging_mb in plan mode), {need / MIB:,.1f} MiB for this node's {local_ranks} rank(s), but "
             f"only {available / MIB:,.1f} MiB are available: set trainer.ckpt_async=false (blocking saves copy "
             "nothing), or shard the state over more ranks (dist.strategy=fsdp)")
-
-
-def _timedelta(seconds: float) -> Any:
-    from datetime import timedelta
-
-    return timedelta(seconds=seconds)
 
 
 def build(env: DistEnv, keep: int, keep_every: int, background: bool, timeout_s: float) -> BlockingSaves:
