@@ -256,10 +256,12 @@ def _without(state: Dict[str, torch.Tensor], names: Collection[str]) -> Dict[str
 
 def _fp32_copy(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """FP32 copies of a state dict's tensors; names that share one tensor (tied weights) share one copy."""
+    from .parallel.state import data_key  # parallel imports this module
+
     copies: Dict[tuple, torch.Tensor] = {}
     out = {}
     for k, v in state.items():
-        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), tuple(v.stride()), v.dtype)
+        key = data_key(v)
         if key not in copies or not key[0]:
             copies[key] = (v.float() if v.is_floating_point() else v).detach().cpu().clone()
         out[k] = copies[key]

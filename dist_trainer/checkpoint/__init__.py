@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import DistEnv
+from ..parallel.state import local_tensor
 from .shards import load_shards, read_shard_metadata, save_shards, shard_tensor_shapes  # noqa: F401
 from .storage import (Location, fsync_dir, free_bytes, is_local, location, open_file, refresh, remove_tree,
                       size_of)
@@ -278,7 +279,7 @@ def _write_failure(what: str, tmp: Path, failed: List[str], shared: Dict[str, An
 def _tensor_bytes(obj: Any) -> int:
     """Bytes of the tensors in a nested structure (this rank's part of a DTensor)."""
     if isinstance(obj, torch.Tensor):
-        local = obj.to_local() if hasattr(obj, "to_local") else obj
+        local = local_tensor(obj)
         return local.numel() * local.element_size()
     if isinstance(obj, dict):
         return sum(_tensor_bytes(v) for v in obj.values())
@@ -306,9 +307,14 @@ def list_checkpoints(root: Location) -> List[Location]:
     refresh(root)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.name.startswith(PREFIX) and p.is_dir()
-             and (is_local(p) or (p / MANIFEST).exists())]
+    found = [p for p in root.iterdir() if p.name.startswith(PREFIX) and p.is_dir() and _sealed(p)]
     return sorted(found, key=lambda p: p.name, reverse=True)
+
+
+def _sealed(path: Location) -> bool:
+    """Whether a checkpoint under its final name was sealed: local ones are by their rename, ones in object
+    storage by their manifest."""
+    return is_local(path) or (path / MANIFEST).exists()
 
 
 def verify(path: Location) -> Optional[str]:
@@ -395,7 +401,7 @@ def clean_up(root: Location, keep: int, keep_every: int = 0) -> None:
         return
     # Local: a temporary name; object storage: a checkpoint's prefix without its manifest.
     unsealed = list(root.glob(f".tmp-{PREFIX}*")) if is_local(root) else \
-        [p for p in root.glob(f"{PREFIX}*") if not (p / MANIFEST).exists()]
+        [p for p in root.glob(f"{PREFIX}*") if not _sealed(p)]
     for stale in unsealed:
         log.warning("removing %s, a checkpoint that was never sealed (its write did not finish)", stale)
         remove_tree(stale)

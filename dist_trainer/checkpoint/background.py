@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import DistEnv
+from ..parallel.state import data_key, local_tensor
 from . import capture_rng, save
 from .storage import Location
 
@@ -63,20 +64,20 @@ class Stager:
     def __init__(self) -> None:
         self.buffers: Dict[tuple, torch.Tensor] = {}
 
-    def stage(self, obj: Any) -> tuple[Any, int]:
+    def stage(self, obj: Any, where: tuple = ()) -> tuple[Any, int]:
         """(a copy of ``obj`` whose tensors are in host memory, the bytes those copies take).
 
         Tensors that share their data (a tied weight under two names) are
         copied once and stay shared. A DTensor keeps its mesh and placements
-        around a copy of its local shard, which is all DCP reads.
+        around a copy of its local shard, which is all DCP reads. ``where``
+        names ``obj`` among the states staged (its buffers are kept under it).
         """
         copies: Dict[tuple, torch.Tensor] = {}
         size, from_gpu = [0], [False]
 
         def copy_tensor(where: tuple, t: torch.Tensor) -> torch.Tensor:
-            local = t.to_local() if hasattr(t, "to_local") else t
-            key = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape),
-                   tuple(local.stride()), local.dtype, local.device)
+            local = local_tensor(t)
+            key = data_key(local)
             if key in copies and key[0]:
                 return copies[key]
             buffer = self.buffers.get(where)
@@ -104,7 +105,7 @@ class Stager:
                 return type(value)(walk(where + (i,), v) for i, v in enumerate(value))
             return copy.deepcopy(value)
 
-        staged = walk((), obj)
+        staged = walk(where, obj)
         if from_gpu[0]:
             torch.cuda.synchronize()  # every copy has landed before training changes the source
         return staged, size[0]
@@ -112,6 +113,8 @@ class Stager:
 
 class BlockingSaves:
     """trainer.ckpt_async=false: every save is written, hashed and sealed before the step goes on."""
+
+    group: Optional[dist.ProcessGroup] = None  # the save's collectives: training's group
 
     def __init__(self, env: DistEnv, keep: int, keep_every: int):
         self.env, self.keep, self.keep_every = env, keep, keep_every
@@ -123,9 +126,13 @@ class BlockingSaves:
              final: bool, written: Callable[[Figures], None]) -> None:
         """Write the checkpoint of ``step``; ``written`` gets the step's figures once its files are written,
         before the seal, so that a sealed checkpoint always has its step's record in metrics.jsonl."""
-        began = time.perf_counter()
-        path = save(root, step, shared, self.env, self.keep, sharded, self.keep_every,
-                    before_seal=lambda: written({"ckpt_blocking_s": time.perf_counter() - began}))
+        self._save_now(root, step, shared, sharded, written, time.perf_counter(), {})
+
+    def _save_now(self, root: Location, step: int, shared: Dict[str, Any], sharded: Optional[Dict[str, Any]],
+                  written: Callable[[Figures], None], began: float, figures: Figures) -> None:
+        """The blocking save: ``written`` gets ``figures`` and the stall since ``began`` before the seal."""
+        path = save(root, step, shared, self.env, self.keep, sharded, self.keep_every, group=self.group,
+                    before_seal=lambda: written({**figures, "ckpt_blocking_s": time.perf_counter() - began}))
         log.info("step %d: checkpoint %s", step, path)
 
     def after_step(self, busy_anywhere: bool) -> Figures:
@@ -156,19 +163,15 @@ class BackgroundSaves(BlockingSaves):
         if figures:
             figures["ckpt_wait_s"] = time.perf_counter() - began
         if final:  # nothing may run at exit: the last one is written before the step returns
-            path = save(root, step, shared, self.env, self.keep, sharded, self.keep_every, group=self.group,
-                        before_seal=lambda: written({**figures,
-                                                     "ckpt_blocking_s": time.perf_counter() - began}))
-            log.info("step %d: checkpoint %s", step, path)
+            self._save_now(root, step, shared, sharded, written, began, figures)
             return
         rng = capture_rng(self.env.device)
         # Only rank 0 writes shared.pt; every rank writes its own shards.
-        staged_shared, shared_bytes = self.stager.stage({"shared": shared}) if self.env.is_main else ({}, 0)
-        staged_sharded, sharded_bytes = (self.stager.stage({"sharded": sharded}) if sharded is not None
-                                         else ({}, 0))
+        staged_shared, shared_bytes = self.stager.stage(shared, ("shared",)) if self.env.is_main else ({}, 0)
+        staged_sharded, sharded_bytes = (self.stager.stage(sharded, ("sharded",)) if sharded is not None
+                                         else (None, 0))
         self.thread = threading.Thread(target=self._write, name=f"checkpoint-step-{step}", daemon=True,
-                                       args=(root, step, staged_shared.get("shared"), staged_sharded.get("sharded"),
-                                             rng))
+                                       args=(root, step, staged_shared, staged_sharded, rng))
         self.thread.start()
         written({**figures, "ckpt_staging_mb": (shared_bytes + sharded_bytes) / MIB,
                  "ckpt_blocking_s": time.perf_counter() - began})

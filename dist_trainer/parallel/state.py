@@ -17,6 +17,14 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def data_key(t: torch.Tensor) -> tuple:
+    """What names a tensor's data: two tensors with one key are one (a tied weight under two names).
+
+    Its storage's address is 0 for an empty tensor, which never matches another.
+    """
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+
+
 def optimizer_param_names(optimizer: torch.optim.Optimizer, weights: Any, module: nn.Module) -> List[str]:
     """The parameter name of each tensor the optimizer steps, in its state_dict's index order.
 
