@@ -29,6 +29,7 @@ from .finder import find_micro_batch_size, largest_divisor_at_most, model_trial
 from .health import stragglers, watchdog
 from .health.watchdog import Watchdog
 from .metrics import Outputs, peak_flops, peak_mem_mb
+from .models import construct, pretrained
 from .optim import build_optimizer
 from .parallel import build_strategy, check_consistency
 from .plan import plan_numbers, write_plan_json
@@ -37,6 +38,7 @@ from .signals import Preempted, StopRequest
 from .trainer import StepOutcome, Trainer, loss_terms
 
 log = logging.getLogger("dist_trainer")
+HF_MODEL = "dist_trainer.hf.models.hf_model"  # model=hf_causal_lm, hf_masked_lm
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -124,6 +126,7 @@ class Parts:
     model_config: Dict[str, Any]  # cfg.model, resolved
     frozen: Optional[str] = None  # checkpoint.frozen_digest of the model as built: what checkpoints leave out
     model_seed: int = 0  # the seed the model was built with: an export rebuilds the same frozen weights
+    built_on_meta: bool = False  # each rank materialised its own shards only (models.construct)
 
 
 def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
@@ -133,9 +136,18 @@ def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
     step_plan = StepPlan.for_config(len(train_set), cfg, plan, plan.mesh.data_rank(env.rank))  # data before model
     eval_set = build_dataset(cfg.data, split="val") if "split" in cfg.data else None
     precision = Precision(cfg.precision, env.device)
-    model = instantiate(cfg.model, _convert_="all")
-    frozen = checkpoint.frozen_digest(model)  # before wrapping: whole tensors on every rank
-    strategy = build_strategy(model, env, cfg.dist, plan.mesh, precision, cfg.trainer.compile)
+    # Under fsdp, hsdp, tp and pp the model is built on the meta device and each rank materialises its shards.
+    mesh = plan.mesh
+    sharded = mesh.strategy == "fsdp" or mesh.tp > 1 or mesh.pp > 1
+    whole = lambda: instantiate(cfg.model, _convert_="all")  # noqa: E731
+    make, source = whole, None
+    if sharded and cfg.model.get("pretrained") and cfg.model.get("_target_") == HF_MODEL:  # its slices, on each rank
+        make = lambda: instantiate(cfg.model, _convert_="all", load_weights=False)  # noqa: E731
+        source = pretrained.SafetensorsSource(Path(cfg.model["pretrained"]).expanduser())
+    model, materialise = construct.build(make, sharded, env.device, log.warning if env.is_main else lambda _: None,
+                                         whole, source)
+    frozen = checkpoint.frozen_digest(model)  # before wrapping: whole tensors on every rank (None on meta)
+    strategy = build_strategy(model, env, cfg.dist, mesh, precision, cfg.trainer.compile, materialise)
     optimizer = build_optimizer(strategy.weights.optimizer_params(), cfg.optim, plan.lr)
     trainer = Trainer(strategy, optimizer, precision, env, plan, cfg.optim, cfg.trainer, cfg.batch.partial_step)
     # Dropout and other runtime randomness per data-parallel rank: a tp group's ranks draw alike, so what
@@ -146,7 +158,8 @@ def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
     torch.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    return Parts(trainer, step_plan, train_set, eval_set, dict(cfg.model), frozen, cfg.trainer.seed)
+    return Parts(trainer, step_plan, train_set, eval_set, dict(cfg.model), frozen, cfg.trainer.seed,
+                 materialise is not None)
 
 
 def choose_micro_batch(cfg: Config, parts: Parts, env: DistEnv) -> BatchPlan:

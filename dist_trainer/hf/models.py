@@ -217,7 +217,7 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> Dict[str, torch.Te
 def hf_model(task: str = "causal_lm", model_type: Optional[str] = None, config: Optional[Dict[str, Any]] = None,
              pretrained: Optional[str] = None, tokenizer: Optional[str] = None, block_size: Optional[int] = None,
              attn_implementation: Optional[str] = "sdpa", chat_template: Optional[str] = None,
-             lora: Optional[Dict[str, Any]] = None) -> HFModel:
+             lora: Optional[Dict[str, Any]] = None, load_weights: bool = True) -> HFModel:
     """Build the model: from ``model_type`` and ``config`` (random weights), or from a local ``pretrained`` dir.
 
     ``model.config.vocab_size`` (and the eos and pad ids) follow ``tokenizer``
@@ -242,12 +242,17 @@ def hf_model(task: str = "causal_lm", model_type: Optional[str] = None, config: 
         # The saved weights fix the vocabulary: a tokenizer with more ids (a chat template's markers)
         # gets rows added after loading, not a configuration that does not fit the weights.
         vocab = None if "vocab_size" in (config or {}) else overrides.pop("vocab_size", None)
+        where = str(Path(pretrained).expanduser()) if pretrained.startswith("~") else pretrained
         try:
-            model = auto.from_pretrained(str(Path(pretrained).expanduser()) if pretrained.startswith("~") else pretrained,
-                                         dtype=torch.float32, **extra, **overrides)
+            if load_weights:
+                model = auto.from_pretrained(where, dtype=torch.float32, **extra, **overrides)
+            else:  # the configuration only, with the tokenizer's vocabulary: the rows it adds get the mean on load
+                config = transformers.AutoConfig.from_pretrained(where, **overrides)
+                config.vocab_size = max(config.vocab_size, vocab or 0)
+                model = auto.from_config(config, dtype=torch.float32, **extra)
         except (OSError, ValueError) as err:
             raise ConfigError(f"model.pretrained={pretrained}: cannot be loaded ({err})") from err
-        if vocab is not None and vocab > model.config.vocab_size:
+        if load_weights and vocab is not None and vocab > model.config.vocab_size:
             added = list(range(model.config.vocab_size, vocab))
             model.resize_token_embeddings(vocab, mean_resizing=True)  # new rows: the mean of the others
     else:

@@ -19,7 +19,7 @@ the same way for every strategy.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ContextManager, Dict, List, Optional, Protocol, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Protocol, Tuple
 
 import torch
 from torch import nn
@@ -77,8 +77,11 @@ class Strategy(Protocol):
 
 
 def build_strategy(model: nn.Module, env: DistEnv, cfg: DistConfig, mesh: MeshShape, precision: Precision,
-                   compile: bool = False) -> Strategy:
+                   compile: bool = False, materialise: Optional[Callable[[nn.Module], None]] = None) -> Strategy:
     """The strategy of ``dist.strategy`` on ``mesh``, wrapping ``model`` (on the CPU, as instantiated).
+
+    ``materialise``: ``model`` is on the meta device; once it is cut and sharded, this gives each rank's shards
+    their storage and initial values (``models.construct``), before anything holds a reference to them.
 
     Under tensor parallelism (``mesh.tp`` > 1) ddp's replicas are FSDP2's too, with shard groups of one
     data-parallel rank: FSDP2 takes parameters already cut over the tp dimension, DDP does not.
@@ -86,11 +89,13 @@ def build_strategy(model: nn.Module, env: DistEnv, cfg: DistConfig, mesh: MeshSh
     if mesh.pp > 1:
         from .pp import PipelineStrategy
 
-        return PipelineStrategy(model, env, cfg, mesh, precision, compile)
+        return PipelineStrategy(model, env, cfg, mesh, precision, compile, materialise)
     if mesh.strategy == "fsdp" or mesh.tp > 1:
         from .fsdp import FSDPStrategy
 
-        return FSDPStrategy(model, env, cfg, mesh, precision, compile)
+        return FSDPStrategy(model, env, cfg, mesh, precision, compile, materialise)
+    if materialise is not None:  # ddp: every rank holds the whole model
+        materialise(model)
     from .ddp import DDPStrategy
 
     return DDPStrategy(model, env, cfg, mesh, precision, compile)

@@ -39,7 +39,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, ContextManager, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -242,8 +242,8 @@ class FSDPStrategy:
     name = "fsdp"
 
     def __init__(self, model: nn.Module, env: DistEnv, cfg: DistConfig, mesh: MeshShape, precision: Precision,
-                 compile: bool = False):
-        model = model.to(env.device)
+                 compile: bool = False, materialise: Optional[Callable[[nn.Module], None]] = None):
+        model = model if materialise is not None else model.to(env.device)  # a meta model: its shards, below
         dmesh, tp_mesh = device_mesh(mesh, env.device.type)
         # torchtitan's order: tensor parallelism, then checkpointing and compile per block, then fully_shard.
         self.tp = (apply_tp(model, tp_mesh, cfg.tp, find_blocks(model, cfg.blocks), count=not compile)
@@ -256,6 +256,8 @@ class FSDPStrategy:
         for block in blocks:
             fully_shard(block, mesh=dmesh, reshard_after_forward=after_forward, mp_policy=policy)
         fully_shard(model, mesh=dmesh, reshard_after_forward=after_forward, mp_policy=policy)
+        if materialise is not None:  # each rank allocates and initialises its own shards, and nothing more
+            materialise(model)
         self.units: List[FSDPModule] = [m for m in model.modules() if isinstance(m, FSDPModule)]
         set_prefetch(blocks, cfg.fsdp.prefetch)
         self.meter, self.counter = count_units(self.units, mesh.replicate)

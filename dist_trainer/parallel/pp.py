@@ -364,10 +364,10 @@ class PipelineStrategy(FSDPStrategy):
     name = "fsdp"  # checkpoints are DCP shards, as fsdp's: any mesh reads them
 
     def __init__(self, model: nn.Module, env: DistEnv, cfg: DistConfig, mesh: MeshShape, precision: Precision,
-                 compile: bool = False):
+                 compile: bool = False, materialise: Optional[Callable[[nn.Module], None]] = None):
         pp, per_rank, schedule = mesh.pp, cfg.pp.stages_per_rank, cfg.pp.schedule
         check_stage_api(model, pp)
-        model = model.to(env.device)
+        model = model if materialise is not None else model.to(env.device)  # a meta model: its stages' shards
         self.env, self.mesh, self.precision = env, mesh, precision
         dims = (("pp", pp), ("replicate", mesh.replicate), ("shard", mesh.shard), *((("tp", mesh.tp),) * (mesh.tp > 1)))
         root = init_device_mesh(env.device.type, tuple(n for _, n in dims), mesh_dim_names=tuple(k for k, _ in dims))
@@ -416,6 +416,8 @@ class PipelineStrategy(FSDPStrategy):
         after_forward = cfg.fsdp.reshard == "micro_batch" and schedule != "zero_bubble"
         for unit in [*held_blocks, *self.views]:  # each block in one stage; each stage a root over the rest
             fully_shard(unit, mesh=dmesh, reshard_after_forward=after_forward, mp_policy=policy)
+        if materialise is not None:  # each rank allocates and initialises the shards of its own stages only
+            materialise(model)
         self.units: List[FSDPModule] = [m for v in self.views for m in v.modules() if isinstance(m, FSDPModule)]
         self.meter, self.counter = count_units(self.units, mesh.replicate)
         self.model = self.module = model
