@@ -12,7 +12,7 @@ import importlib.util
 import logging
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-master", "fp16-master")
 OPTIMIZERS = ("adamw", "sgd")
@@ -21,7 +21,7 @@ SCHEDULES = ("constant", "cosine")
 NONFINITE_POLICIES = ("stop", "skip")
 STRATEGIES = ("ddp", "fsdp")
 ACCUM_SYNCS = ("last", "every")
-RESHARDS = ("micro_batch", "forward", "step")
+RESHARDS = ("micro_batch", "forward", "step")  # what FSDP does; dist.fsdp.reshard=auto becomes one in validate
 # Keys of the data node that the framework owns; they never reach the dataset.
 LOADER_KEYS = ("shuffle", "drop_last", "num_workers", "prefetch_factor")
 
@@ -117,8 +117,9 @@ class FSDPConfig:
     accum_sync: str = "last"
     # When a unit's gathered parameters are freed: micro_batch (after each forward and each
     # backward: 2K all-gathers per unit for K micro-batches), forward (kept from a micro-batch's
-    # forward to its backward: K), step (kept from the step's first forward to its last backward: 1).
-    reshard: str = "micro_batch"
+    # forward to its backward: K), step (kept from the step's first forward to its last backward: 1);
+    # auto: micro_batch where the mesh supports it, else forward (pipeline stages), chosen in validate.
+    reshard: str = "auto"
     # Ranks in one shard group: null (all), "node" (the local world size: shard within a node,
     # replicate across nodes, i.e. hsdp) or a divisor of the world size.
     shard_size: Any = None
@@ -374,6 +375,9 @@ class BatchPlan:
     lr: float  # after scaling for the effective batch
     max_steps: int
     mesh: Optional[MeshShape] = None  # always set by validate; None only in plans built by hand for the data order
+    # What validate chose for keys left at auto, as printed at start-up and by plan mode
+    # (e.g. "dist.fsdp.reshard=auto -> forward (dist.pp.size=2)").
+    chosen: Tuple[str, ...] = ()
 
     @property
     def data_ranks(self) -> int:
@@ -389,7 +393,7 @@ class BatchPlan:
             f"{ranks} x micro batch {self.micro_batch_size} "
             f"x accum steps {self.accum_steps} = global batch {self.global_batch_size} "
             f"samples per optimizer step; lr {self.base_lr:g} -> {self.lr:g} after scaling; "
-            f"{self.max_steps} optimizer steps"
+            f"{self.max_steps} optimizer steps" + "".join(f"; {line}" for line in self.chosen)
         )
 
 
@@ -542,12 +546,13 @@ def _validate_values(cfg: Config) -> None:
     f = d.fsdp
     if f.reshard_after_forward is not None:
         implied = "micro_batch" if f.reshard_after_forward else "forward"
-        _check(f.reshard in ("micro_batch", implied), "dist.fsdp.reshard_after_forward", f.reshard_after_forward,
+        _check(f.reshard in ("auto", "micro_batch", implied), "dist.fsdp.reshard_after_forward",
+               f.reshard_after_forward,
                f"is replaced by dist.fsdp.reshard and contradicts dist.fsdp.reshard={f.reshard}: drop it")
         log.warning("dist.fsdp.reshard_after_forward=%s is deprecated: it is dist.fsdp.reshard=%s now; set that",
                     f.reshard_after_forward, implied)
         f.reshard, f.reshard_after_forward = implied, None
-    _check(f.reshard in RESHARDS, "dist.fsdp.reshard", f.reshard, f"choose one of {RESHARDS}")
+    _check(f.reshard in ("auto", *RESHARDS), "dist.fsdp.reshard", f.reshard, f"choose one of {('auto', *RESHARDS)}")
     _check(isinstance(f.prefetch, int) and not isinstance(f.prefetch, bool) and f.prefetch >= 0,
            "dist.fsdp.prefetch", f.prefetch, "must be an integer >= 0 (units gathered ahead; 0: FSDP2's defaults)")
     _check(f.shard_size is None or f.shard_size == "node" or
@@ -568,8 +573,7 @@ def _validate_values(cfg: Config) -> None:
         _check(cfg.batch.micro_batch_size != "auto", "batch.micro_batch_size", "auto",
                "is not supported with dist.strategy=fsdp (its trials run the whole unsharded model on each "
                "rank): set an integer batch.micro_batch_size, or dist.strategy=ddp")
-    _validate_tp(cfg)
-    _validate_pp(cfg)
+    _validate_tp(cfg)  # the pipeline's keys after dist.fsdp.reshard=auto is resolved (validate)
     _check_loggers(cfg.logger)
     for node in ("model", "data"):
         target = getattr(cfg, node).get("_target_")
@@ -643,7 +647,7 @@ def _validate_pp(cfg: Config) -> None:
         "dist.fsdp.reshard": (d.strategy == "ddp" or d.fsdp.reshard != "micro_batch", "micro_batch is not supported "
                               "with dist.pp.size > 1: torch's stages keep each unit gathered from its first backward "
                               "to the step's end, so a unit gathers once a step under forward or step; set "
-                              "dist.fsdp.reshard=forward"),
+                              "dist.fsdp.reshard=forward (or auto, its default)"),
         "dist.fsdp.accum_sync": (d.strategy == "ddp" or d.fsdp.accum_sync == "last", "every is not supported with "
                                  "dist.pp.size > 1 (the schedule reduces gradients once, after its last backward): "
                                  "set dist.fsdp.accum_sync=last"),
@@ -654,6 +658,25 @@ def _validate_pp(cfg: Config) -> None:
     _check(not (isinstance(lora, dict) and lora.get("r")), "model.lora.r", lora.get("r") if isinstance(lora, dict)
            else lora, f"LoRA adapters on pipeline stages are not supported yet (dist.pp.size={pp.size}): set "
            "dist.pp.size=1, or model.lora.r=null")
+
+
+def resolve_reshard(dist: DistConfig) -> Optional[str]:
+    """``dist.fsdp.reshard=auto`` made a mode, in place, so that everything after validate sees the mode alone.
+
+    micro_batch (the lowest memory) where the mesh supports it; forward under fsdp with pipeline stages, where
+    micro_batch is refused (``_validate_pp``: torch's stages keep each unit gathered from its first backward to
+    the step's end, so forward gathers as often and holds no more). Returns the line saying what was chosen
+    where it matters (fsdp), else None.
+    """
+    f = dist.fsdp
+    if f.reshard != "auto":
+        return None
+    pipeline = isinstance(dist.pp.size, int) and dist.pp.size > 1
+    f.reshard = "forward" if dist.strategy == "fsdp" and pipeline else "micro_batch"
+    if dist.strategy != "fsdp":
+        return None  # ddp gathers nothing: the mode changes no number there
+    why = f"micro_batch is not supported with dist.pp.size={dist.pp.size}" if pipeline else "this mesh supports it"
+    return f"dist.fsdp.reshard=auto -> {f.reshard} ({why})"
 
 
 def _get(cfg: Config, key: str) -> Any:
@@ -699,6 +722,9 @@ def validate(cfg: Config, world_size: int, local_world_size: Optional[int] = Non
     """
     _check(world_size >= 1, "world size", world_size, "must be >= 1")
     _validate_values(cfg)
+    # Keys left at auto get their value here, once, in place: what is built, planned and saved reads a mode.
+    chosen = tuple(line for line in (resolve_reshard(cfg.dist),) if line)
+    _validate_pp(cfg)
     batch = cfg.batch
     if batch.micro_batch_size == "auto":
         _check(batch.global_batch_size is not None, "batch.global_batch_size", None,
@@ -727,4 +753,5 @@ def validate(cfg: Config, world_size: int, local_world_size: Optional[int] = Non
         lr=scaled_lr(cfg.optim, glob),
         max_steps=cfg.trainer.max_steps,
         mesh=mesh,
+        chosen=chosen,
     )

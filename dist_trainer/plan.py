@@ -573,6 +573,7 @@ def plan_report(cfg: Config, world_size: int, local_world_size: Optional[int] = 
     state = int(numbers["state_mb"] * MIB)
     return "\n".join([
         f"plan for world size {world_size} (no process group, nothing trained); mesh {plan.mesh.describe()}",
+        *(f"  {line}" for line in plan.chosen),  # keys left at auto, as validate resolved them
         f"{split} = global batch {plan.global_batch_size} samples per optimizer step"
         + (f" ({plan.global_batch_size * dataset.block_size:,} tokens of data.block_size={dataset.block_size})"
            if isinstance(getattr(dataset, "block_size", None), int) else ""),

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -43,11 +44,13 @@ def short_text(block_size: int = 24, n: int = 73):
     return Subset(unbalanced_text(block_size), range(n))
 
 
-def _pp(cfg, size: int = 2, schedule: str = "1f1b", per_rank: int = 1, strategy: str = "ddp"):
+def _pp(cfg, size: int = 2, schedule: str = "1f1b", per_rank: int = 1, strategy: str = "ddp",
+        reshard: Optional[str] = "forward"):
+    """``reshard`` under fsdp: None leaves dist.fsdp.reshard unset (auto, validate's choice)."""
     cfg.dist = dataclasses.replace(cfg.dist, strategy=strategy)
     cfg.dist.pp = dataclasses.replace(cfg.dist.pp, size=size, schedule=schedule, stages_per_rank=per_rank)
-    if strategy == "fsdp":
-        cfg.dist.fsdp = dataclasses.replace(cfg.dist.fsdp, reshard="forward")
+    if strategy == "fsdp" and reshard is not None:
+        cfg.dist.fsdp = dataclasses.replace(cfg.dist.fsdp, reshard=reshard)
     return cfg
 
 
@@ -139,6 +142,8 @@ def _jobs2() -> list:
     zb_ac.dist.activation_checkpointing = True
     zb_master.precision.name = "bf16-master"  # a weight pass's BF16 gradients beside FSDP's FP32 accumulation
     jobs += [("zero_bubble/ac", zb_ac, STEPS), ("zero_bubble/bf16-master", zb_master, 2)]
+    # fsdp stages with dist.fsdp.reshard left unset: auto, which validate makes forward here
+    jobs.append(("fsdp/default/k4", _clip(_pp(_model(8), strategy="fsdp", reshard=None)), STEPS))
     return jobs
 
 
@@ -149,6 +154,7 @@ def _tp(cfg, sp: bool = True):
 
 def _jobs4() -> list:
     return [("ddp/k4", _clip(_pp(_model(4))), STEPS), ("fsdp/k4", _clip(_pp(_model(4), strategy="fsdp")), STEPS),
+            ("fsdp/default/k4", _clip(_pp(_model(4), strategy="fsdp", reshard=None)), STEPS),  # reshard unset
             ("fsdp/interleaved/k4", _pp(_model(4), schedule="interleaved_1f1b", per_rank=2, strategy="fsdp"), STEPS),
             ("fsdp/zero_bubble/k4", _clip(_pp(_model(4), schedule="zero_bubble", per_rank=2, strategy="fsdp")), STEPS),
             ("tp/k4", _clip(_tp(_pp(_model(8)))), STEPS), ("tp/nosp/k4", _clip(_tp(_pp(_model(8)), sp=False)), STEPS),
@@ -280,6 +286,16 @@ def _assert_plan(run: dict, rank: int, groups: int) -> None:
     assert len(full["pp_idle_times"]) == run["plan_from_model"]["world_size"]
 
 
+def test_pp2_by_fsdp_with_reshard_left_unset_equals_one_big_batch(pp2, refs):
+    """dist.strategy=fsdp dist.pp.size=2 and nothing more: the default dist.fsdp.reshard (auto) trains (forward)."""
+    for rank in range(2):
+        run = _job(pp2, "fsdp/default/k4", rank)
+        _assert_stage_run(run, refs["clip"], f"pp 2 x fsdp, reshard unset, rank {rank}")
+        _assert_plan(run, rank, 1)
+        assert run["plan_from_model"]["dist.fsdp.reshard"] == "forward"
+        assert run["plan_from_model"]["mesh"]["kind"] == "fsdp"
+
+
 def test_pp2_fp16_overflow_on_one_stage_skips_on_every_stage(pp2):
     runs = [_job(pp2, "overflow", r) for r in range(2)]
     for run in runs:
@@ -322,8 +338,8 @@ def test_pp2_bubble_is_predicted():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("job", ["ddp/k4", "fsdp/k4", "fsdp/interleaved/k4", "fsdp/zero_bubble/k4", "tp/k4",
-                                 "tp/nosp/k4", "tp/llama", "tp/llama/padded"])
+@pytest.mark.parametrize("job", ["ddp/k4", "fsdp/k4", "fsdp/default/k4", "fsdp/interleaved/k4", "fsdp/zero_bubble/k4",
+                                 "tp/k4", "tp/nosp/k4", "tp/llama", "tp/llama/padded"])
 def test_pp2_by_data_parallel_or_tp_2_equals_one_big_batch_and_the_plan(pp4, refs, job):
     # tp/llama/padded: stages of the model's 32 tokens over 24-token data, so its tp collectives are of 32
     want = refs["llama/padded" if "padded" in job else "llama" if "llama" in job else
@@ -334,6 +350,8 @@ def test_pp2_by_data_parallel_or_tp_2_equals_one_big_batch_and_the_plan(pp4, ref
         _assert_plan(run, rank, 2)
         if job.startswith("tp"):
             assert run["outcomes"][1]["comm"]["tp_allreduces"] > 0  # the activations' collectives, counted
+        if job == "fsdp/default/k4":  # dist.fsdp.reshard unset: pp 2 x fsdp 2 runs with what auto chose
+            assert run["plan_from_model"]["dist.fsdp.reshard"] == "forward"
 
 
 @pytest.mark.slow
@@ -362,6 +380,37 @@ def test_pp_unsupported_combinations_are_config_errors(change, key):
     change(cfg)
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         validate(cfg, 4)
+
+
+@pytest.mark.parametrize("strategy, size, want, why", [
+    ("fsdp", 2, "forward", "micro_batch is not supported with dist.pp.size=2"),
+    ("fsdp", 4, "forward", "micro_batch is not supported with dist.pp.size=4"),  # pp 4 x fsdp 1
+    ("fsdp", 1, "micro_batch", "this mesh supports it"),
+    ("ddp", 2, "micro_batch", None),  # ddp's shard groups of one rank gather nothing: today's value, unsaid
+])
+def test_reshard_auto_is_resolved_once_in_validate(strategy, size, want, why):
+    cfg = _pp(_model(8), size=size, strategy=strategy, reshard=None)
+    assert cfg.dist.fsdp.reshard == "auto"  # the default: the user set no key
+    plan = validate(cfg, 4)
+    assert cfg.dist.fsdp.reshard == want  # in place: what is built and planned reads the mode
+    line = f"dist.fsdp.reshard=auto -> {want} ({why})"
+    assert plan.chosen == ((line,) if why else ())
+    assert (line in plan.describe()) == bool(why)  # the start-up report's plan line
+    assert validate(cfg, 4).mesh == plan.mesh  # the resolved config validates again, alike
+    cfg.dist.fsdp.reshard = "sometimes"
+    with pytest.raises(ConfigError, match=r"dist\.fsdp\.reshard='sometimes': choose one of \('auto', "):
+        validate(cfg, 4)
+
+
+def test_reshard_auto_in_plan_mode_text_and_plan_json(tmp_path):
+    import json
+
+    from dist_trainer.plan import plan_report
+
+    text = plan_report(_pp(_model(8), strategy="fsdp", reshard=None), 4, json_path=tmp_path / "plan.json")
+    assert "  dist.fsdp.reshard=auto -> forward (micro_batch is not supported with dist.pp.size=2)\n" in text
+    assert "dist.fsdp.reshard=forward)" in text  # the all-gathers' line reads the mode
+    assert json.loads((tmp_path / "plan.json").read_text())["dist.fsdp.reshard"] == "forward"
 
 
 def test_a_model_without_stages_is_a_config_error_in_plan_mode_as_in_training():
