@@ -17,8 +17,12 @@ the weights; the data's micro-batches hold very different numbers of tokens
 * a Hugging Face llama (sequence parallelism on and off) and a qwen2 with its head tied
   to the embedding (their own base_model_tp_plan, their norms on sequence shards) under
   tp 2 equal one process;
+* padded chats (data=hf_chat data.packing=false) whose every micro-batch is of an odd length
+  train under tp 2 with sequence parallelism (each micro-batch padded to a multiple of 2,
+  masked, with no loss) and equal one process;
 * activation checkpointing gives the same gradients; bf16-master within fsdp's bound;
-* bad plans and sizes are ConfigErrors naming the key.
+* bad plans and sizes are ConfigErrors naming the key; so is a block size that sequence
+  parallelism cannot cut into equal shards, and a batch of such a length with no attention mask.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import pytest
 import torch
 
 from dist_trainer.config import ConfigError, validate
+from dist_trainer.hf.chat import hf_chat
 from dist_trainer.plan import plan_numbers
 from helpers import SAME_OPS_TOL, assert_all_close_scaled
 from test_accumulation import GLOBAL, in_one_process, launch_clean, mlp_config
@@ -99,6 +104,32 @@ def _jobs2() -> list:
     return jobs
 
 
+def _chat(micro: int, chats: tuple):
+    """Padded chats (data.packing=false) of odd lengths only, on a tiny qwen2 (vocabulary 264: cut in 2)."""
+    from test_hf_chat import QWEN2, chat_data, chat_model
+
+    files, cache = chats
+    cfg = _gpt(micro)
+    cfg.model = chat_model("qwen2", {**QWEN2, "vocab_size": 264})
+    cfg.data = chat_data(files, cache, packing=False)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory):
+    """The conversations of odd token counts among 240: every micro-batch's longest, its padded length, is odd."""
+    from test_hf_chat import conversations, write_jsonl
+
+    root = tmp_path_factory.mktemp("chats")
+    records = conversations(240, seed=3)
+    lengths = hf_chat([str(write_jsonl(root / "all.jsonl", records))], block_size=256,
+                      cache_dir=str(root / "cache")).lengths()
+    odd = write_jsonl(root / "odd.jsonl", [r for r, n in zip(records, lengths) if n % 2])
+    data = hf_chat([str(odd)], block_size=256, cache_dir=str(root / "cache"))  # the ranks' cache, built here
+    assert len(data) >= 96 and all(data.lengths() % 2)
+    return [str(odd)], root / "cache"
+
+
 def _jobs4() -> list:
     """4 ranks: tp groups of 2 (consecutive ranks) over 2 data-parallel ranks."""
     return [("ddp/k4", _tp(_gpt(4)), STEPS), ("ddp/k1", _clip(_tp(_gpt(16))), STEPS),
@@ -113,8 +144,9 @@ def _every(cfg):
 
 
 @pytest.fixture(scope="module")
-def tp2(tmp_path_factory):
-    return launch_clean(_worker, 2, tmp_path_factory.mktemp("tp2"), _jobs2())
+def tp2(tmp_path_factory, chats):
+    jobs = _jobs2() + [("chat", _tp(_chat(8, chats)), STEPS)]  # K = 4 micro-batches of 8 padded chats
+    return launch_clean(_worker, 2, tmp_path_factory.mktemp("tp2"), jobs)
 
 
 @pytest.fixture(scope="module")
@@ -123,11 +155,11 @@ def tp4(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def refs():
+def refs(chats):
     """One process, one big batch of 32 (K = 1)."""
     return in_one_process(_worker, [("ref", _gpt(GLOBAL), STEPS), ("clip", _clip(_gpt(GLOBAL)), STEPS),
                                     ("end", _end(32), STEPS), ("llama", _llama(GLOBAL), STEPS),
-                                    ("qwen2", _qwen2(GLOBAL), STEPS)])
+                                    ("qwen2", _qwen2(GLOBAL), STEPS), ("chat", _chat(GLOBAL, chats), STEPS)])
 
 
 def _cfg(jobs: list, name: str):
@@ -137,7 +169,8 @@ def _cfg(jobs: list, name: str):
 # ----------------------------------------------------------------------------- split invariance
 
 @pytest.mark.parametrize("name, ref", [("k4", "clip"), ("k1", "ref"), ("nosp/k4", "clip"), ("end", "end"),
-                                       ("llama", "llama"), ("llama/sp", "llama"), ("qwen2", "qwen2")])
+                                       ("llama", "llama"), ("llama/sp", "llama"), ("qwen2", "qwen2"),
+                                       ("chat", "chat")])
 def test_tp2_equals_one_big_batch(tp2, refs, name, ref):
     runs = [_job(tp2, name, r) for r in range(2)]
     want = _job([refs], ref)
@@ -287,3 +320,34 @@ def test_a_plan_that_does_not_fit_the_model_names_the_module():
         check_divisible(model, resolve_plan(model, cfg), 2)
     with pytest.raises(ConfigError, match=r"declares no tensor-parallel plan.*dist\.tp\.plan"):
         resolve_plan(torch.nn.Linear(2, 2), cfg)
+
+
+def test_sequence_parallelism_pads_a_masked_batch_and_refuses_what_it_cannot_pad():
+    """The model's pre-hook: a masked micro-batch padded to a multiple of the tp size with masked, untrained
+    positions; a batch of that length with no attention mask, and a block size sequence parallelism cannot cut,
+    are ConfigErrors naming data.block_size and dist.tp.size (before anything is cut or communicated)."""
+    from dist_trainer.models import GPT
+    from dist_trainer.parallel.tp import _pad_sequence, checked_plan
+
+    hook = _pad_sequence(2)
+    ids = torch.tensor([[5, 6, 7], [8, 9, 1]])
+    batch = {"input_ids": ids, "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
+             "labels": ids.clone(), "position_ids": torch.tensor([[0, 1, 2], [0, 1, 2]]), "sample_id": torch.ones(2)}
+    (padded,), _ = hook(None, (batch,), {})
+    assert padded["input_ids"].tolist() == [[5, 6, 7, 0], [8, 9, 1, 0]]
+    assert padded["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 1, 0, 0]]
+    assert padded["labels"].tolist() == [[5, 6, 7, -100], [8, 9, 1, -100]]
+    assert padded["position_ids"].tolist() == [[0, 1, 2, 3], [0, 1, 2, 3]]
+    assert padded["sample_id"] is batch["sample_id"]  # not per token: as it was
+    assert hook(None, (padded,), {}) is None  # a multiple of 2 already: nothing to do
+    with pytest.raises(ConfigError, match=r"data\.block_size: a micro-batch of 3 tokens a row does not cut into "
+                                          r"dist\.tp\.size=2 .*no attention_mask.*a multiple of 2 \(e\.g\. 2 or 4\)"):
+        hook(None, ({"input_ids": ids, "targets": ids},), {})
+    with pytest.raises(ConfigError, match=r"the batch's 'weights' is of that length and not known to pad"):
+        hook(None, ({**batch, "weights": torch.ones(2, 3)},), {})
+    cfg = _tp(_gpt(4)).dist.tp
+    gpt = GPT(n_embd=16, n_head=2, n_layer=1, block_size=63)
+    with pytest.raises(ConfigError, match=r"data\.block_size=63 \(the model's block_size\) is not a multiple of "
+                                          r"dist\.tp\.size=2.*set data\.block_size to 62 or 64"):
+        checked_plan(gpt, cfg)
+    checked_plan(gpt, dataclasses.replace(cfg, sequence_parallel=False))  # whole sequences: any length

@@ -21,7 +21,10 @@ replicated input, so backward sums their input gradients before one reduction.
 Under sequence parallelism the residual stream is cut at the first block's input
 (the embeddings, the positions and anything the model derives from the whole
 sequence, such as attention masks, are computed whole before it) and gathered again
-by the head. The head (the last column-wise layer, after every row-wise one) keeps its logits
+by the head. The shards must be of one length (gloo aborts the process on all-gathers of unequal ones), so
+under sequence parallelism the model pads each micro-batch on the right to a multiple of the tp size, with
+positions masked out of attention that carry no loss (``_pad_sequence``). The head (the last column-wise layer,
+after every row-wise one) keeps its logits
 cut over the vocabulary under ``loss_parallel``: the cross-entropy is computed on
 the shards, in forward and backward, inside ``TensorParallel.context()``.
 
@@ -46,6 +49,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..config import ConfigError, TPConfig
 
 SEQUENCE = Shard(1)  # activations are (batch, sequence, features): sequence shards are dim 1
+IGNORE_INDEX = -100  # a target that carries no loss (the built-in models' and Hugging Face's)
+# What a padded position holds, by batch key: a token no one attends to (attention_mask 0) and no target.
+# position_ids continue the row's own.
+PAD_VALUES = {"input_ids": 0, "token_type_ids": 0, "attention_mask": 0, "labels": IGNORE_INDEX,
+              "targets": IGNORE_INDEX}
 
 
 def declared_plan(model: nn.Module) -> Optional[Dict[str, str]]:
@@ -113,6 +121,15 @@ def checked_plan(model: nn.Module, cfg: TPConfig) -> Dict[str, str]:
         raise ConfigError(f"dist.tp.sequence_parallel=true: the plan of {type(model).__name__} places no norm on "
                           "sequence shards (no module is sequence_parallel); set dist.tp.sequence_parallel=false, "
                           "or give dist.tp.plan the norms as sequence_parallel")
+    block = getattr(model, "block_size", None)
+    if cfg.sequence_parallel and isinstance(block, int) and block % cfg.size:
+        # The sequence is cut into tp shards of one length: blocks of this size (packed data, the built-in GPT's,
+        # the pipeline's stages) cannot be, and a padded micro-batch could not be padded to a multiple within it
+        # (the built-in GPT has no learned position past it). Refused before anything is cut or communicated.
+        near = [n for n in (block - block % cfg.size, block + cfg.size - block % cfg.size) if n]
+        raise ConfigError(f"data.block_size={block} (the model's block_size) is not a multiple of dist.tp.size="
+                          f"{cfg.size}: sequence parallelism cuts each sequence into {cfg.size} equal shards; set "
+                          f"data.block_size to {' or '.join(map(str, near))}, or dist.tp.sequence_parallel=false")
     return plan
 
 
@@ -177,9 +194,63 @@ def _cut_sequence(mesh: DeviceMesh):
     def to_shard(x: Any) -> Any:
         if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
             return x
+        if x.shape[1] % mesh.size():  # shards of unequal length: the all-gathers would abort (gloo), not raise
+            raise ConfigError(f"dist.tp.sequence_parallel=true: a sequence of {x.shape[1]} positions does not cut "
+                              f"into dist.tp.size={mesh.size()} equal shards; set data.block_size (and the "
+                              f"model's block_size) to a multiple of {mesh.size()}, or "
+                              "dist.tp.sequence_parallel=false")
         return DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [SEQUENCE]).to_local()
 
     return _on_first_input(to_shard)
+
+
+def _pad_sequence(size: int):
+    """The model's pre-hook under sequence parallelism: the micro-batch padded on the right to a multiple of
+    ``size`` positions, so that the stream cuts into equal sequence shards.
+
+    Padded chats (``data=hf_chat data.packing=false``) are as long as each micro-batch's longest
+    conversation: any length. The added positions change no number: they come after every real token
+    (attention is causal, and they are masked out of it: attention_mask 0), carry no loss (target -100,
+    so the loss and its item count are the unpadded batch's) and continue the row's positions; they stay
+    within the model's block_size, a multiple of ``size`` (``checked_plan``). A batch without an attention
+    mask is refused instead: nothing would hide the padding from a model that is not causal. Fixed-length
+    blocks (packed chats, the built-in GPT's) are of the block size, and so never padded here.
+    """
+
+    def refuse(length: int, why: str) -> ConfigError:
+        fits = [n for n in (length - length % size, length + size - length % size) if n]
+        return ConfigError(f"data.block_size: a micro-batch of {length} tokens a row does not cut into dist.tp.size="
+                           f"{size} equal sequence shards (dist.tp.sequence_parallel=true), and {why}; set "
+                           f"data.block_size to a multiple of {size} (e.g. {' or '.join(map(str, fits))}), or "
+                           "dist.tp.sequence_parallel=false")
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[Tuple[tuple, dict]]:
+        batch = args[0] if args else None
+        if not isinstance(batch, dict) or not isinstance(batch.get("input_ids"), torch.Tensor):
+            return None
+        length = batch["input_ids"].shape[1]
+        extra = -length % size
+        if not extra:
+            return None
+        if "attention_mask" not in batch:
+            raise refuse(length, "the batch has no attention_mask to pad it with")
+        padded = {}
+        for key, value in batch.items():
+            if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[1] != length:
+                padded[key] = value
+                continue
+            shape = (value.shape[0], extra, *value.shape[2:])
+            if key == "position_ids":
+                tail = value[:, -1:] + torch.arange(1, extra + 1, dtype=value.dtype, device=value.device).view(1, -1)
+            elif key in PAD_VALUES:
+                tail = value.new_full(shape, PAD_VALUES[key])
+            else:
+                raise refuse(length, f"the batch's {key!r} is of that length and not known to pad (one of "
+                                     f"{sorted([*PAD_VALUES, 'position_ids'])})")
+            padded[key] = torch.cat([value, tail], dim=1)
+        return (padded, *args[1:]), kwargs
+
+    return hook
 
 
 def _style(module: nn.Module, style: str, is_head: bool, cfg: TPConfig, parent_gathers: bool) -> Optional[Any]:
@@ -229,6 +300,9 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, cfg: TPConfig, blocks: List[nn.
                                                               with_kwargs=True)
     if cfg.sequence_parallel:
         blocks[0].register_forward_pre_hook(_cut_sequence(mesh), with_kwargs=True)
+        # Padded micro-batches are of any length: padded further here, before the model reads them, to
+        # lengths that cut into equal shards (unequal ones abort gloo's all-gathers with no message).
+        model.register_forward_pre_hook(_pad_sequence(mesh.size()), with_kwargs=True)
     _tie_again(model, tied)
     return TensorParallel(mesh, cfg.loss_parallel and head is not None, plan, head, count)
 
