@@ -19,7 +19,8 @@ the weights; the data's micro-batches hold very different numbers of tokens
   tp 2 equal one process;
 * padded chats (data=hf_chat data.packing=false) whose every micro-batch is of an odd length
   train under tp 2 with sequence parallelism (each micro-batch padded to a multiple of 2,
-  masked, with no loss) and equal one process;
+  masked, with no loss) and equal one process; their vocabulary is the tokenizer's 261 (cut
+  131 and 130, never padded), and so is a GPT's, whose plan (logits gathered) holds too;
 * activation checkpointing gives the same gradients; bf16-master within fsdp's bound;
 * bad plans and sizes are ConfigErrors naming the key; so is a block size that sequence
   parallelism cannot cut into equal shards, and a batch of such a length with no attention mask.
@@ -100,17 +101,26 @@ def _jobs2() -> list:
     master.precision.name = "bf16-master"
     jobs += [("master", master, 1), ("plan/k3", _tp(_gpt(8, 24)), 2), ("plan/ac", ac, 2), ("plan/bf16-mixed", mixed, 2),
              ("plan/no-loss-parallel", _tp(_gpt(8, 24), loss_parallel=False), 2),
-             ("plan/nosp/k3", _tp(_gpt(8, 24), sp=False), 2), ("plan/llama/k3", _tp(_llama(8, 24), sp=False), 2)]
+             ("plan/nosp/k3", _tp(_gpt(8, 24), sp=False), 2), ("plan/llama/k3", _tp(_llama(8, 24), sp=False), 2),
+             ("vocab261", _clip(_tp(_vocab(_gpt(8)))), STEPS),
+             ("plan/vocab261/no-loss-parallel", _tp(_vocab(_gpt(8, 24)), loss_parallel=False), 2)]
     return jobs
 
 
+def _vocab(cfg, size: int = 261):
+    """A vocabulary tp 2 does not divide: the tied embedding and head cut in 131 and 130 rows."""
+    cfg.model = {**cfg.model, "vocab_size": size}
+    return cfg
+
+
 def _chat(micro: int, chats: tuple):
-    """Padded chats (data.packing=false) of odd lengths only, on a tiny qwen2 (vocabulary 264: cut in 2)."""
+    """Padded chats (data.packing=false) of odd lengths only, on a tiny qwen2 whose vocabulary is the
+    tokenizer's: the bytes tokenizer's 259 ids and the template's two markers, 261, which tp 2 cuts unevenly."""
     from test_hf_chat import QWEN2, chat_data, chat_model
 
     files, cache = chats
     cfg = _gpt(micro)
-    cfg.model = chat_model("qwen2", {**QWEN2, "vocab_size": 264})
+    cfg.model = chat_model("qwen2", dict(QWEN2))
     cfg.data = chat_data(files, cache, packing=False)
     return cfg
 
@@ -159,7 +169,8 @@ def refs(chats):
     """One process, one big batch of 32 (K = 1)."""
     return in_one_process(_worker, [("ref", _gpt(GLOBAL), STEPS), ("clip", _clip(_gpt(GLOBAL)), STEPS),
                                     ("end", _end(32), STEPS), ("llama", _llama(GLOBAL), STEPS),
-                                    ("qwen2", _qwen2(GLOBAL), STEPS), ("chat", _chat(GLOBAL, chats), STEPS)])
+                                    ("qwen2", _qwen2(GLOBAL), STEPS), ("chat", _chat(GLOBAL, chats), STEPS),
+                                    ("vocab261", _clip(_vocab(_gpt(GLOBAL))), STEPS)])
 
 
 def _cfg(jobs: list, name: str):
@@ -170,7 +181,7 @@ def _cfg(jobs: list, name: str):
 
 @pytest.mark.parametrize("name, ref", [("k4", "clip"), ("k1", "ref"), ("nosp/k4", "clip"), ("end", "end"),
                                        ("llama", "llama"), ("llama/sp", "llama"), ("qwen2", "qwen2"),
-                                       ("chat", "chat")])
+                                       ("chat", "chat"), ("vocab261", "vocab261")])
 def test_tp2_equals_one_big_batch(tp2, refs, name, ref):
     runs = [_job(tp2, name, r) for r in range(2)]
     want = _job([refs], ref)
@@ -189,6 +200,13 @@ def test_tp2_equals_one_big_batch(tp2, refs, name, ref):
         assert runs[0]["outcomes"][0]["grad_norm"] > 0.1  # clipping acted
     if name == "end":
         assert runs[0]["outcomes"][2]["samples"] == 9
+
+
+def test_vocabularies_tp_does_not_divide_are_cut_unevenly_never_padded(tp2):
+    """261 rows (bytes and a chat template's two markers) in 131 and 130: every tensor keeps the vocabulary."""
+    chat = _job(tp2, "chat")["params"][0]
+    assert chat["model.model.embed_tokens.weight"].shape[0] == 261
+    assert _job(tp2, "vocab261")["params"][-1]["tok_emb.weight"].shape[0] == 261
 
 
 @pytest.mark.slow  # the 4-rank launch: about 35 s on 2 cores

@@ -28,6 +28,13 @@ after every row-wise one) keeps its logits
 cut over the vocabulary under ``loss_parallel``: the cross-entropy is computed on
 the shards, in forward and backward, inside ``TensorParallel.context()``.
 
+A vocabulary the tp size does not divide (the bytes tokenizer and a chat template's two markers: 261) is
+cut unevenly, as ``torch.chunk`` cuts it (131 and 130 rows): DTensor's vocabulary-parallel embedding and
+cross-entropy take each rank's offset from the placement, so no row is padded, the logits of one rank never
+include a row that is not the model's, and every state dict, checkpoint and export keeps the tokenizer's
+vocabulary. (Megatron pads the vocabulary to a multiple instead, and must strip it on export.) Every other
+cut dimension must divide: attention heads and MLP widths are the model's to choose.
+
 Tied weights (the built-in GPT's head is its token embedding) are tied again
 after the cut; both must be cut alike (head colwise, embedding rowwise).
 """
@@ -90,6 +97,7 @@ def cut_dim(module: nn.Module, style: str) -> int:
 def check_divisible(model: nn.Module, plan: Dict[str, str], size: int) -> None:
     """Every cut dimension divides by the tp size, and so does every head count; ConfigError naming the module."""
     modules = dict(model.named_modules())
+    head = head_of(model, plan)
     for name, style in plan.items():
         module = modules[name]
         if style in ("colwise", "rowwise"):
@@ -97,7 +105,8 @@ def check_divisible(model: nn.Module, plan: Dict[str, str], size: int) -> None:
                 raise ConfigError(f"dist.tp.plan: {name} is a {type(module).__name__}; {style} cuts a Linear or "
                                   "an Embedding only")
             rows = module.weight.shape[cut_dim(module, style)]
-            if rows % size:
+            vocabulary = name == head or (isinstance(module, nn.Embedding) and style == "rowwise")
+            if rows % size and not vocabulary:  # a vocabulary is cut unevenly (torch.chunk's sizes): see apply_tp
                 raise ConfigError(f"dist.tp.size={size}: {name} ({style}) has {rows} features to cut, not a "
                                   f"multiple of {size}")
     for name, module in modules.items():
@@ -339,7 +348,7 @@ def local_shapes(model: nn.Module, cfg: TPConfig) -> Dict[int, torch.Size]:
             if pname == "bias" and dim == 1:
                 continue  # a row-wise Linear's bias is added once, whole
             shape = list(p.shape)
-            shape[dim if p.ndim > 1 else 0] //= cfg.size
+            shape[dim if p.ndim > 1 else 0] = -(-shape[dim if p.ndim > 1 else 0] // cfg.size)  # the largest cut
             shapes[id(p)] = torch.Size(shape)
     return shapes
 
@@ -492,8 +501,9 @@ def expected_tp_comm(model: nn.Module, cfg: TPConfig, tokens: int, accum: int, p
             add(reduce, tokens * module.in_features, param_bytes, accum)
             if cfg.loss_parallel:
                 add("allreduce", tokens, 4, 3 * forward_times(name))
-            else:
-                add("all_gather", tokens * module.out_features, linear_bytes, forward_times(name))
+            else:  # a vocabulary the tp size does not divide is gathered in equal parts, the last one padded
+                add("all_gather", tokens * -(-module.out_features // cfg.size) * cfg.size, linear_bytes,
+                    forward_times(name))
     for parent, width in parents.items():
         if sp:
             add("all_gather", tokens * width, param_bytes, forward_times(parent))
