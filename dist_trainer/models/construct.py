@@ -106,15 +106,13 @@ class Trace:
         """
         holders = self.holders()
         skipped = {sid for sid, names in holders.items() if skip(names)}
-        last_touch, next_overwrite = _liveness(self.ops)
+        ops = self.ops if not skipped else _needed(self.ops, set(holders) - skipped)
+        last_touch, next_overwrite = _liveness(ops)
         live: Dict[int, torch.Tensor] = {}  # storage -> a real CPU tensor over its elements
         held = peak = 0
         torch.random.set_rng_state(self.rng_state)
-        for i, op in enumerate(self.ops):
-            touched = {*op.reads, *(r.storage for r in op.outs), *([op.overwrites] if op.overwrites is not None
-                                                                     else [])}
-            if touched and touched <= skipped:
-                continue  # the initialisation of a tensor another source fills
+        for i, op in enumerate(ops):
+            touched = _touched(op)
             for sid in [op.overwrites] if op.overwrites is not None and op.overwrites not in live else []:
                 live[sid] = _allocate(self.storages[sid])
                 held += live[sid].numel() * live[sid].element_size()
@@ -143,6 +141,21 @@ class Trace:
         return peak
 
 
+def _touched(op: Op) -> set:
+    return {*op.reads, *(r.storage for r in op.outs), *([op.overwrites] if op.overwrites is not None else [])}
+
+
+def _needed(ops: List[Op], wanted: set) -> List[Op]:
+    """The operations that compute ``wanted`` storages (and what they read), nothing else: where another source
+    (a pretrained file) fills the rest, their initialisation, random draws included, is not run."""
+    needed, keep = set(wanted), []
+    for op in reversed(ops):
+        if _touched(op) & needed:
+            needed |= _touched(op)
+            keep.append(op)
+    return keep[::-1]
+
+
 def _draws(func: Any) -> bool:
     return torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
 
@@ -169,7 +182,7 @@ def _liveness(ops: List[Op]) -> Tuple[Dict[int, int], Dict[Tuple[int, int], bool
     last: Dict[int, int] = {}
     touches: Dict[int, List[int]] = {}
     for i, op in enumerate(ops):
-        for sid in {*op.reads, *(r.storage for r in op.outs), *([op.overwrites] if op.overwrites is not None else [])}:
+        for sid in _touched(op):
             last[sid] = i
             touches.setdefault(sid, []).append(i)
     dead: Dict[Tuple[int, int], bool] = {}
@@ -346,10 +359,15 @@ class Materialiser:
     def __init__(self, trace: Trace, device: torch.device, pretrained: Optional[Any] = None):
         self.trace, self.device, self.pretrained = trace, device, pretrained
         self.peak_bytes = 0
+        self.mb: Optional[float] = None  # measured: what materialising added to the process's resident memory
 
     def __call__(self, model: nn.Module) -> None:
+        from ..hostmem import PhasePeak
+
         source = self.pretrained
         skip = (lambda names: source.key(names) is not None) if source is not None else (lambda _: False)
-        self.peak_bytes = materialise(model, self.trace, self.device, skip)
-        if source is not None:
-            self.peak_bytes = max(self.peak_bytes, source.load_into(model, self.trace.aliases()))
+        with PhasePeak() as phase:  # the host memory the model's shards and their initialisation take
+            self.peak_bytes = materialise(model, self.trace, self.device, skip)
+            if source is not None:
+                self.peak_bytes = max(self.peak_bytes, source.load_into(model, self.trace.aliases()))
+        self.mb = phase.mb

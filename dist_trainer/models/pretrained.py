@@ -2,10 +2,12 @@
 
 The model is built from the directory's configuration on the meta device and
 sharded (``construct``); then every tensor the safetensors files hold is read
-into this rank's shard: a slice of the file (``safe_open(...).get_slice``, which
-reads those bytes and no others) where the shard is a box of the whole tensor,
-the whole tensor, one at a time, where it is not (FSDP's strided shards over a
-tensor-parallel cut). What the files do not hold (rotary frequencies, rows a
+into this rank's shard: the rows of its box (a contiguous range of the file
+where the shard cuts rows, blocks of whole rows with the columns kept where it
+cuts columns), or the whole tensor, one at a time, where the shard is not a box
+(FSDP's strided shards over a tensor-parallel cut). The files are read with
+plain reads, not mapped: mapped pages would count in the process's resident
+memory, twice the shard's size while it is copied. What the files do not hold (rotary frequencies, rows a
 chat template's tokens add) comes from the recorded constructor, except the
 added rows, which get the mean of the file's rows, as ``resize_token_embeddings``
 gives them (without its small random spread: a row the tokenizer adds is the
@@ -15,6 +17,7 @@ same on every rank and every mesh).
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -26,6 +29,60 @@ from ..config import ConfigError
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 
 
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool}
+BLOCK_BYTES = 4 << 20  # rows read at once when a shard keeps only some columns of them
+
+
+class SafetensorsFile:
+    """One safetensors file: its header (name -> dtype, shape, byte range), and reads of a box of a tensor."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        header.pop("__metadata__", None)
+        self.start = 8 + size
+        self.tensors = header
+
+    def shape(self, key: str) -> Tuple[int, ...]:
+        return tuple(self.tensors[key]["shape"])
+
+    def read(self, key: str, box: Tuple[slice, ...], into: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The box of tensor ``key`` (slices of each dimension, step 1), in the file's dtype: read straight into
+        ``into`` where it is contiguous, of that dtype and the box's size (no copy held beside it)."""
+        entry = self.tensors[key]
+        dtype, shape = DTYPES[entry["dtype"]], tuple(entry["shape"])
+        begin = self.start + entry["data_offsets"][0]
+        size = [b.stop - b.start for b in box]
+        direct = (into is not None and into.dtype == dtype and into.is_contiguous() and
+                  into.numel() == math.prod(size) and into.device.type == "cpu")
+        out = into.view(size) if direct else torch.empty(size, dtype=dtype)
+        if out.numel() == 0:
+            return out
+        rows = box[0] if box else slice(0, 1)
+        row_elems = 1
+        for n in shape[1:]:
+            row_elems *= n
+        item = out.element_size()
+        whole_rows = all(b.start == 0 and b.stop == n for b, n in zip(box[1:], shape[1:]))
+        with open(self.path, "rb", buffering=0) as f:
+            if whole_rows:  # one contiguous range
+                f.seek(begin + rows.start * row_elems * item)
+                f.readinto(out.view(torch.uint8).numpy())
+                return out
+            step = max(1, BLOCK_BYTES // (row_elems * item))
+            for first in range(rows.start, rows.stop, step):
+                last = min(rows.stop, first + step)
+                block = torch.empty((last - first, *shape[1:]), dtype=dtype)
+                f.seek(begin + first * row_elems * item)
+                f.readinto(block.view(torch.uint8).numpy())
+                out[first - rows.start:last - rows.start] = block[(slice(None), *box[1:])]
+        return out
+
+
 class SafetensorsSource:
     """The tensors of a ``save_pretrained`` directory, by the model's parameter names (``prefix`` + file key)."""
 
@@ -35,10 +92,7 @@ class SafetensorsSource:
             weight_map = json.loads((self.directory / INDEX).read_text())["weight_map"]
             self.files = {key: self.directory / name for key, name in weight_map.items()}
         elif (self.directory / SINGLE).exists():
-            from safetensors import safe_open
-
-            with safe_open(str(self.directory / SINGLE), "pt") as f:
-                self.files = {key: self.directory / SINGLE for key in f.keys()}
+            self.files = dict.fromkeys(SafetensorsFile(self.directory / SINGLE).tensors, self.directory / SINGLE)
         else:
             raise ConfigError(f"model.pretrained={directory}: holds neither {SINGLE} nor {INDEX} (saved with "
                               "save_pretrained(..., safe_serialization=True)?)")
@@ -56,8 +110,6 @@ class SafetensorsSource:
 
         ``aliases``: each tensor name -> every name of the same tensor in the model as built (a tie).
         """
-        from safetensors import safe_open
-
         held = dict(model.named_parameters(remove_duplicate=False))
         held.update(model.named_buffers(remove_duplicate=False))
         by_file: Dict[Path, List[Tuple[str, str]]] = {}
@@ -68,9 +120,9 @@ class SafetensorsSource:
         peak = 0
         with torch.no_grad():
             for path, pairs in by_file.items():
-                with safe_open(str(path), "pt") as f:
-                    for name, key in pairs:
-                        peak = max(peak, _read(f.get_slice(key), held[name], name))
+                f = SafetensorsFile(path)
+                for name, key in pairs:
+                    peak = max(peak, _read(f, key, held[name], name))
         return peak
 
     def check_covers(self, aliases: Dict[str, List[str]]) -> None:
@@ -82,21 +134,23 @@ class SafetensorsSource:
                               f"built from its config.json has no tensor for")
 
 
-def _read(sliced: object, target: torch.Tensor, name: str) -> int:
-    """Copy this rank's part of one file tensor into ``target``; returns the bytes of a whole read (0: a slice)."""
+def _read(f: SafetensorsFile, key: str, target: torch.Tensor, name: str) -> int:
+    """Copy this rank's part of one file tensor into ``target``; returns the bytes of a whole read (0: a box)."""
     from torch.distributed.tensor import DTensor
 
     local = target.to_local() if isinstance(target, DTensor) else target
-    file_shape = tuple(sliced.get_shape())  # type: ignore[attr-defined]
+    file_shape = f.shape(key)
     shape = tuple(target.shape)
     if file_shape != shape and not (len(shape) == 2 and file_shape[1:] == shape[1:] and file_shape[0] < shape[0]):
         raise ConfigError(f"model.pretrained: {name} is {list(file_shape)} in the files and {list(shape)} in the "
                           "model built from their config.json")
     box = _box(target) if file_shape == shape else None
     if box is not None:
-        local.copy_(sliced[box].to(local.dtype).view(local.shape))  # type: ignore[index]
+        read = f.read(key, box, into=local)
+        if read.data_ptr() != local.data_ptr():
+            local.copy_(read.view(local.shape))  # casts the file's dtype
         return 0
-    whole = sliced[:].to(torch.float32)  # type: ignore[index]
+    whole = f.read(key, tuple(slice(0, n) for n in file_shape)).to(torch.float32)
     if file_shape != shape:  # rows a tokenizer added: the mean of the others (resize_token_embeddings' mean)
         whole = torch.cat([whole, whole.mean(0, keepdim=True).expand(shape[0] - file_shape[0], -1)])
     from .construct import local_part
@@ -107,16 +161,22 @@ def _read(sliced: object, target: torch.Tensor, name: str) -> int:
 
 def _box(target: torch.Tensor) -> Optional[Tuple[slice, ...]]:
     """The slices of the whole tensor this rank holds, where they form one box; None where they do not."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    if not isinstance(target, DTensor):
-        return tuple(slice(0, n) for n in target.shape)
-    if any(type(p).__name__ == "_StridedShard" or (not isinstance(p, Shard) and p.is_shard())
-           for p in target.placements):
-        return None
+    from torch.distributed.tensor import DTensor, Replicate, Shard
     # torch.distributed.tensor._utils: the one place DTensor computes a shard's offset (no public API yet).
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+    if not isinstance(target, DTensor):
+        return tuple(slice(0, n) for n in target.shape)
+    mesh = target.device_mesh
+    # A placement over a mesh dimension of one rank cuts nothing (FSDP2 over a tp cut with a shard group of one
+    # places a strided shard there).
+    if any((type(p).__name__ == "_StridedShard" or (not isinstance(p, Shard) and p.is_shard())) and
+           mesh.size(dim) > 1 for dim, p in enumerate(target.placements)):
+        return None
+    if any(mesh.size(dim) == 1 and p.is_shard() for dim, p in enumerate(target.placements)):
+        placements = [p if mesh.size(dim) > 1 else Replicate() for dim, p in enumerate(target.placements)]
+        shape, offset = compute_local_shape_and_global_offset(target.shape, mesh, placements)
+        return tuple(slice(o, o + n) for o, n in zip(offset, shape))
     shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
     return tuple(slice(o, o + n) for o, n in zip(offset, shape))
 
