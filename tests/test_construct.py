@@ -134,21 +134,31 @@ JOBS4 = [("gpt/tp2xfsdp2", _tp(_gpt(4), strategy="fsdp")), ("llama/tp2xfsdp2", _
 def saved(tmp_path_factory):
     """A qwen2 (tied head) saved in 3 files with an index, a llama (untied) in one file."""
     root = tmp_path_factory.mktemp("saved")
-    return {"qwen2": _saved(root / "qwen2", "qwen2", shards=True), "llama": _saved(root / "llama", "llama", False)}
+    return {"qwen2": _saved(root / "qwen2", "qwen2", shards=True), "llama": _saved(root / "llama", "llama", False),
+            "bytes": _saved(root / "bytes", "llama", False, vocab=259)}  # the bytes tokenizer's ids, untied
 
 
 def _pretrained_jobs(saved: dict) -> list:
     return [("pretrained-qwen2/fsdp", _fsdp(_pretrained_cfg(_qwen2, saved["qwen2"]))),
             ("pretrained-qwen2/tp", _tp(_pretrained_cfg(_qwen2, saved["qwen2"]))),
             ("pretrained-llama/pp", _pp(_pretrained_cfg(_llama, saved["llama"]))),
-            ("pretrained-llama/tp", _tp(_pretrained_cfg(_llama, saved["llama"])))]
+            ("pretrained-llama/tp", _tp(_pretrained_cfg(_llama, saved["llama"]))),
+            ("chat/fsdp", _fsdp(_chat_cfg(saved["bytes"]))), ("chat/tp", _tp(_chat_cfg(saved["bytes"])))]
+
+
+def _chat_cfg(directory: str):
+    """A base of the bytes tokenizer's 259 ids, fine-tuned on chats: the template's two markers get rows."""
+    cfg = _pretrained_cfg(_llama, directory, tokenizer="bytes")
+    cfg.model["chat_template"] = "auto"
+    return cfg
 
 
 @pytest.fixture(scope="module")
 def whole(saved):
     """One process (ddp on a world of one): every model built whole, as before (pretrained: from_pretrained)."""
     return in_one_process(_worker, [(name, make(8)) for name, make in MODELS.items()] +
-                          [(f"pretrained-{name}", _pretrained_cfg(MODELS[name], path)) for name, path in saved.items()])
+                          [(f"pretrained-{name}", _pretrained_cfg(MODELS[name], saved[name]))
+                           for name in ("qwen2", "llama")] + [("chat", _chat_cfg(saved["bytes"]))])
 
 
 @pytest.fixture(scope="module")
@@ -215,3 +225,18 @@ def _pretrained_cfg(make, directory: str, tokenizer=None):
     if tokenizer:
         cfg.model["tokenizer"] = tokenizer
     return cfg
+
+
+@pytest.mark.parametrize("job", ["chat/fsdp", "chat/tp"])
+def test_rows_a_chat_template_adds_get_the_mean_of_the_pretrained_rows(ranks2, whole, job):
+    """The base has 259 rows; the template's markers make 261 (cut 131 and 130 under tp 2). The file's rows
+    load exactly; each new row, of the embedding and of the untied head, is their mean, as transformers'
+    resize gives it up to its random spread of 1e-9 of the rows' covariance."""
+    got, ref = ranks2[0][job]["state"], whole["chat"]["state"]
+    assert "error" not in ranks2[0][job] and ranks2[0][job]["meta"]
+    for name in ("model.model.embed_tokens.weight", "model.lm_head.weight"):
+        assert got[name].shape[0] == ref[name].shape[0] == 261
+        assert torch.equal(got[name][:259], ref[name][:259]), name
+        mean = got[name][:259].mean(0)
+        assert torch.equal(got[name][259], mean) and torch.equal(got[name][260], mean), name
+        assert (got[name][259:] - ref[name][259:]).abs().max() <= 1e-3 * mean.abs().max(), name
