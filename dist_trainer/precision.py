@@ -151,6 +151,10 @@ class ModelWeights:
         """FP32 copies of the state, but for the names in ``leave_out`` (a checkpoint's frozen weights)."""
         return _fp32_copy(_without(model.state_dict(), leave_out))
 
+    def fp32_tensors(self, model: nn.Module) -> Dict[str, torch.Tensor]:
+        """The tensors whose values the FP32 state dict holds, by name, not copied: the model's own."""
+        return model.state_dict()
+
     def load_fp32_state_dict(self, model: nn.Module, state: Dict[str, torch.Tensor]) -> None:
         load_trained(model, state)
 
@@ -227,6 +231,15 @@ class MasterWeights:
         for name, p in model.named_parameters(remove_duplicate=False):
             if p in self.master_of:  # trained, so never left out
                 state[name] = copies[id(self.master_of[p])]
+        return state
+
+    def fp32_tensors(self, model: nn.Module) -> Dict[str, torch.Tensor]:
+        """The tensors whose values the FP32 state dict holds, by name, not copied: the masters in place of the
+        half parameters they stand for (under every name of a tied one), the model's own for the rest."""
+        state = model.state_dict()
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if p in self.master_of:
+                state[name] = self.master_of[p].detach()
         return state
 
     @torch.no_grad()

@@ -7,7 +7,8 @@ The tree, top to bottom (nothing imports what is above it)::
     ddp.py, fsdp.py        DistributedDataParallel; FSDP2 flat (fsdp) or hybrid (hsdp)
     sync_batchnorm.py      BatchNorm statistics over all ranks (ddp)
     blocks.py, state.py    the model's blocks (sharding, activation checkpointing, compile);
-                           optimizer state by parameter name, local shards
+                           optimizer state by parameter name, local shards, the whole model
+                           tensor by tensor (exports)
     comm.py                the metrics keys of the collectives every strategy counts
     consistency.py         dist.check_consistency_every
 
@@ -28,6 +29,7 @@ from ..config import DistConfig, MeshShape
 from ..distributed import DistEnv
 from ..precision import Precision
 from .consistency import ConsistencyError, check_consistency
+from .state import WholeTensors
 
 __all__ = ["Strategy", "build_strategy", "ConsistencyError", "check_consistency"]
 
@@ -67,6 +69,10 @@ class Strategy(Protocol):
 
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """The whole FP32 state dict (on rank 0 at least); every rank calls it."""
+
+    def full_tensors(self) -> WholeTensors:
+        """The whole FP32 model one tensor at a time on rank 0 (``state.WholeTensors``); every rank calls it and
+        iterates it in full. What exports go through: no rank ever holds the whole model."""
 
     def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
         """(what rank 0 writes into shared.pt, the sharded tensors every rank writes its part of, or None)."""

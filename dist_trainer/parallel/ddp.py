@@ -23,7 +23,7 @@ from ..distributed import DistEnv
 from ..precision import MasterWeights, ModelWeights, Precision, frozen_names
 from .blocks import prepare_blocks
 from .comm import COMM_KEYS
-from .state import indexed_optimizer_state, optimizer_param_names, state_of
+from .state import WholeTensors, indexed_optimizer_state, optimizer_param_names, parameter_ties, state_of
 
 ReduceBucket = Callable[[dist.GradBucket, Optional[dist.ProcessGroup]], torch.futures.Future]
 
@@ -146,6 +146,11 @@ class DDPStrategy:
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """The FP32 state dict of the unwrapped model (every rank has it whole)."""
         return self.weights.fp32_state_dict(self.module)
+
+    def full_tensors(self) -> WholeTensors:
+        """The FP32 model (the masters in master modes) tensor by tensor: rank 0 holds it all, nothing is sent."""
+        return WholeTensors(self.weights.fp32_tensors(self.module), parameter_ties(self.module),
+                            next(self.module.parameters()).device)
 
     def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> Tuple[Dict[str, Any], None]:
         """(what rank 0 writes into shared.pt, nothing sharded): the FP32 model and optimizer.

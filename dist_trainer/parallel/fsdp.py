@@ -44,7 +44,7 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict,
                                                      set_state_dict)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -59,7 +59,7 @@ from ..distributed import DistEnv
 from ..precision import Precision, frozen_names
 from .blocks import find_blocks, prepare_blocks
 from .comm import COMM_KEYS
-from .state import local_tensor, named_optimizer_state, optimizer_param_names
+from .state import WholeTensors, local_tensor, named_optimizer_state, optimizer_param_names, parameter_ties
 from .tp import apply_tp, tp_sharded
 
 
@@ -175,12 +175,6 @@ class ShardedWeights:
     def after_step(self) -> None:
         pass  # the next forward all-gathers (and casts) the updated shards
 
-    def fp32_state_dict(self, model: nn.Module) -> Dict[str, torch.Tensor]:
-        """The whole FP32 state dict on rank 0 (empty elsewhere), gathered one tensor at a time to CPU."""
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = get_model_state_dict(model, options=options)
-        return {k: (v.float() if v.is_floating_point() else v).detach().clone() for k, v in state.items()}
-
     def load_fp32_state_dict(self, model: nn.Module, state: Dict[str, torch.Tensor]) -> None:
         """Each rank keeps its shard of a full state dict that every rank holds."""
         set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
@@ -249,7 +243,7 @@ class FSDPStrategy:
         self.tp = (apply_tp(model, tp_mesh, cfg.tp, find_blocks(model, cfg.blocks), count=not compile)
                    if tp_mesh is not None else None)
         blocks = prepare_blocks(model, cfg.blocks, cfg.activation_checkpointing, compile)  # before fully_shard
-        self.mesh = mesh
+        self.mesh, self.device = mesh, env.device
         policy = mp_policy(precision)
         self.reshard = cfg.fsdp.reshard
         after_forward = self.reshard == "micro_batch"  # given explicitly, to the root too
@@ -360,7 +354,12 @@ class FSDPStrategy:
 
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """Every rank calls it; rank 0 gets the whole FP32 state dict, the others an empty one."""
-        return self.weights.fp32_state_dict(self.module)
+        return self.full_tensors().state_dict()
+
+    def full_tensors(self) -> WholeTensors:
+        """The FP32 model tensor by tensor (its sharded parameters are the FP32 masters in master modes): each
+        gathered within its mesh, on rank 0 alone once whole."""
+        return WholeTensors(self.module.state_dict(), parameter_ties(self.module), self.device)
 
     def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         """(what rank 0 writes into shared.pt, the sharded tensors every rank writes its part of).

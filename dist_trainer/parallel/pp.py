@@ -41,8 +41,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
@@ -56,7 +55,7 @@ from ..optim import decay_split
 from ..precision import Precision, frozen_names
 from .blocks import find_blocks, prepare_blocks
 from .fsdp import FSDPStrategy, PeakMeter, ShardedWeights, checkpointed, count_units, mp_policy
-from .state import local_tensor, named_optimizer_state
+from .state import WholeTensors, local_tensor, named_optimizer_state, parameter_ties
 from .tp import apply_tp, tp_sharded
 
 P2P_KEYS = ("p2p_sends", "p2p_send_bytes", "p2p_recvs", "p2p_recv_bytes")
@@ -651,19 +650,12 @@ class PipelineStrategy(FSDPStrategy):
             counts[key] += value
         return counts
 
-    def full_state_dict(self) -> Dict[str, torch.Tensor]:
-        """Every rank calls it; rank 0 gets the whole FP32 state dict (every stage's), the others an empty one."""
-        state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
-        mine = {k: (v.float() if v.is_floating_point() else v).detach().cpu().clone() for k, v in state.items()}
-        send = mine if self.mesh.data_rank(self.env.rank) == 0 else None  # one rank of each stage group
-        gathered: List[Any] = [None] * self.env.world_size if self.env.rank == 0 else None
-        dist.gather_object(send, gathered, dst=0)
-        if self.env.rank != 0:
-            return {}
-        whole: Dict[str, torch.Tensor] = {}
-        for part in gathered:
-            whole.update(part or {})
-        return whole
+    def full_tensors(self) -> WholeTensors:
+        """The FP32 model tensor by tensor: each stage group's tensors gathered within it, then sent by its
+        lowest rank to rank 0. The last stage's copy of a weight tied across stages keeps its own name (a
+        one-process model's state_dict names it too) and is marked tied to the first's."""
+        ties = {**parameter_ties(self.module), **{b: a for a, b in self.ties}}
+        return WholeTensors(self.module.state_dict(), ties, self.env.device)
 
     # -- checkpoints: the whole model's names, so that any mesh reads what any other wrote ----------------------
 

@@ -1,14 +1,19 @@
-"""Tensors by name across layouts: the local part of a sharded tensor, and optimizer state keyed by name.
+"""Tensors by name across layouts: the local part of a sharded tensor, optimizer state keyed by name, and the
+whole model walked tensor by tensor.
 
 A checkpoint written under one layout (ddp, fsdp, hsdp, any world size) is read
 under another by naming each parameter's optimizer state after the parameter.
+An export (``final_model``, ``hf_model/``) reads the whole model one tensor at a
+time (``WholeTensors``), whatever the layout, so no rank ever holds it all.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -59,3 +64,115 @@ def indexed_optimizer_state(names: List[str], state: Dict[str, Dict[str, torch.T
     index = {name: i for i, name in enumerate(names)}
     return {"state": {index[name]: value for name, value in state.items() if value},
             "param_groups": [{**g, "params": sorted(index[name] for name in g["params"])} for g in groups]}
+
+
+# ----------------------------------------------------------------------------- the whole model, tensor by tensor
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of the whole model as an export writes it: FP32 where floating, whole, on the CPU."""
+
+    name: str  # the plain model's state_dict name
+    shape: Tuple[int, ...]  # whole
+    dtype: torch.dtype  # as written: float32 for every floating tensor
+    holder: int  # the lowest rank holding it (0 where rank 0 does): where rank 0 gets it from
+    tied_to: Optional[str] = None  # an earlier name of the same weight in the model as built (a tied head)
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for n in self.shape:
+            numel *= n
+        return numel * self.dtype.itemsize
+
+
+def parameter_ties(module: nn.Module) -> Dict[str, str]:
+    """Each later name of a parameter held under several names (a tied head) -> its first name."""
+    first: Dict[int, str] = {}
+    ties = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            ties[name] = first[id(p)]
+        first.setdefault(id(p), name)
+    return ties
+
+
+def _written_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float32 if t.is_floating_point() else t.dtype
+
+
+class WholeTensors:
+    """The whole model, one tensor at a time, on rank 0: the seam every export goes through.
+
+    ``local`` is this rank's tensors by the whole model's names (a DTensor: this
+    rank's shard; a pipeline stage: its own names only). Construction is a
+    collective: every rank learns ``layout``, the whole model's tensors in one
+    order (rank by rank, each rank's in its state_dict's order, the first holder
+    of a name giving it), before anything is gathered, so an export can decide
+    and plan (does the model fit, which file holds which tensor) from it alone.
+
+    Iterating is a collective too: every rank iterates in full, in the same
+    order. For each tensor its holders make it whole (a DTensor's
+    ``full_tensor()``, within its own mesh: every holder takes part) and, where
+    rank 0 holds none of it (another pipeline stage), the lowest holder sends it
+    to rank 0. Rank 0 alone is given ``(name, tensor)``: FP32 (floating) on the
+    CPU; the others are given nothing. So no rank holds more than its own shards
+    and one whole tensor (two on rank 0 while it copies one off a device).
+    """
+
+    def __init__(self, local: Dict[str, torch.Tensor], ties: Dict[str, str], device: torch.device):
+        self.local, self.device = local, device
+        self.rank = dist.get_rank()
+        mine = [(name, tuple(t.shape), _written_dtype(t), ties.get(name)) for name, t in local.items()]
+        every: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)  # names and shapes only: a few bytes a tensor
+        layout: Dict[str, TensorInfo] = {}
+        for rank, entries in enumerate(every):
+            for name, shape, dtype, tied_to in entries:
+                if name not in layout:
+                    layout[name] = TensorInfo(name, shape, dtype, rank, tied_to)
+        self.layout: List[TensorInfo] = list(layout.values())
+        self.by_name = layout
+        self.largest_bytes = 0  # the largest tensor rank 0 was given: what it held at once beyond its own state
+
+    @property
+    def nbytes(self) -> int:
+        """The whole model's bytes as written (FP32 floating tensors)."""
+        return sum(info.nbytes for info in self.layout)
+
+    @torch.no_grad()
+    def __iter__(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        for info in self.layout:
+            t = self.local.get(info.name)
+            if t is not None and hasattr(t, "full_tensor"):
+                t = t.full_tensor()  # a collective of every rank of its mesh, all of which hold this name
+            if t is not None:
+                t = t.to(info.dtype)
+            if self.rank == 0:
+                if t is None:  # held by another pipeline stage only: its lowest rank sends it
+                    t = torch.empty(info.shape, dtype=info.dtype, device=self.device)
+                    dist.recv(t, src=info.holder)
+                t = t.cpu() if t.device.type != "cpu" else t
+                self.largest_bytes = max(self.largest_bytes, info.nbytes)
+                yield info.name, t
+            elif self.rank == info.holder:
+                dist.send(t.contiguous(), dst=0)
+            del t  # one whole tensor at a time
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        """Every rank calls it; rank 0 gets the whole FP32 state dict, the others an empty one."""
+        state: Dict[str, torch.Tensor] = {}
+        for name, t in self:
+            self.collect(state, name, t)
+        return state
+
+    def collect(self, state: Dict[str, torch.Tensor], name: str, t: torch.Tensor) -> None:
+        """Put what rank 0 was given for ``name`` into ``state``: a copy, never the model's own tensor (training
+        may go on), and one copy for the names of a tied weight where their values are equal (always, but for a
+        pipeline's two copies of a weight tied across stages, which take the same updates), so a file holds it
+        once, as a one-process model's state_dict does."""
+        own = self.local.get(name)
+        if own is not None and t.data_ptr() == local_tensor(own).data_ptr():
+            t = t.clone()  # rank 0's own FP32 tensor (ddp, or a mesh of one rank)
+        first = self.by_name[name].tied_to
+        state[name] = state[first] if first in state and torch.equal(state[first], t) else t
