@@ -371,6 +371,34 @@ def read_model(path: Location) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]
     return shared, {key[len("model."):]: value for key, value in whole.items()}
 
 
+def model_tensors(path: Location) -> Tuple[Dict[str, Any], Dict[str, Tuple[torch.Size, torch.dtype]],
+                                            Callable[[str], torch.Tensor]]:
+    """(shared.pt, the model's tensors by name: (whole shape, dtype), a reader of one whole tensor by name) of one
+    checkpoint, read in this process alone.
+
+    A sharded checkpoint is read one tensor at a time (DCP reads that tensor's byte ranges of each shard
+    file), so an export holds one tensor, not the model; a ddp checkpoint holds the model in shared.pt, read whole.
+    """
+    problem, loaded = _read_verified(path)
+    if problem is not None:
+        raise CheckpointError(f"{path}: {problem}")
+    shared = loaded["shared.pt"]
+    if "model" in shared["trainer"]:
+        model = shared["trainer"]["model"]
+        return shared, {key: (value.shape, value.dtype) for key, value in model.items()}, model.__getitem__
+    shards = path / SHARDS
+    shapes = {key[len("model."):]: shape for key, shape in shard_tensor_shapes(shards).items()
+              if key.startswith("model.")}
+
+    def read(name: str) -> torch.Tensor:
+        shape, dtype = shapes[name]
+        one = {f"model.{name}": torch.empty(shape, dtype=dtype)}
+        load_shards(one, shards)  # with no process group, DCP reads every shard of it in this process
+        return one[f"model.{name}"]
+
+    return shared, shapes, read
+
+
 class CheckpointError(RuntimeError):
     """Checkpoints exist but none can be used; nothing was changed."""
 

@@ -3,14 +3,21 @@
     python -m dist_trainer.export CHECKPOINT_DIR OUT_DIR     (a checkpoint, or a run directory: its newest)
     python -m dist_trainer.export s3://bucket/prefix OUT_DIR  (a trainer.ckpt_dir, a path or a URL: its newest)
     python -m dist_trainer.export CHECKPOINT_DIR OUT_DIR --adapter-out ADAPTER_DIR    (a LoRA model)
+    python -m dist_trainer.export CHECKPOINT_DIR OUT_DIR --max-shard-mb 1024   (files of at most 1 GiB)
 
 The model is rebuilt from the configuration every checkpoint records
-(``model_config`` in shared.pt), so only the checkpoint is needed.
+(``model_config`` in shared.pt), so only the checkpoint is needed: on the meta
+device, for its names, shapes and configuration, while the weights are read
+from a sharded checkpoint one tensor at a time.
 
-The directory is ``save_pretrained``'s (config.json, model.safetensors) with
-the FP32 weights (the masters in master modes) and the tokenizer's files when
-the data had a tokenizer: ``AutoModelFor*.from_pretrained(OUT_DIR)`` gives the
-trained model. It is written under a temporary name and renamed when complete.
+The directory is what ``save_pretrained`` writes (config.json, the generation
+config, ``model.safetensors`` or several files and
+``model.safetensors.index.json``) with the FP32 weights (the masters in master
+modes) and the tokenizer's files when the data had a tokenizer:
+``AutoModelFor*.from_pretrained(OUT_DIR)`` gives the trained model. It is
+written tensor by tensor (``HFModelWriter``: at the end of a run from every
+rank's shards, ``parallel.state.WholeTensors``; here from the checkpoint), under
+a temporary name, and renamed when complete.
 
 A LoRA model (model.lora.r) gives two: the merged model (the adapters folded
 into the base weights: a plain transformers model) in OUT_DIR, and the
@@ -23,18 +30,122 @@ configuration and must have the digest the checkpoint records.
 from __future__ import annotations
 
 import argparse
-import os
+import copy
 import shutil
 import sys
 from pathlib import Path
-from typing import Dict, Optional, Sequence, Union
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from .. import checkpoint
 from ..config import ConfigError
+from ..models.export import DEFAULT_SHARD_MB, Entry, SafetensorsWriter, replace_dir, temporary_dir
+from ..parallel.state import TensorInfo, parameter_ties
 
 PREFIX = "model."  # HFModel holds the transformers model as .model
+
+
+class HFWeights:
+    """How the framework's FP32 tensors of an HFModel become ``hf_model/``: the names, shapes and files
+    ``save_pretrained`` would write, known from the layout alone (before any value), then tensor by tensor.
+
+    As ``save_pretrained``: the ``model.`` prefix goes; of a tied weight (a tied head) only the name transformers
+    keeps is written (its ``remove_tied_weights_from_state_dict`` decides, on placeholders); keys the model
+    ignores on save go; and a model whose weights transformers converts on load (fused MoE experts) gets its
+    checkpoint names back, one tensor at a time (``revert_weight_conversion``, planned on meta tensors).
+    """
+
+    def __init__(self, module: torch.nn.Module, layout: Sequence[TensorInfo]):
+        from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+        self.module, self.hf = module, module.model
+        mine = [info for info in layout if info.name.startswith(PREFIX)]
+        placeholders: Dict[str, torch.Tensor] = {}  # one per weight: the names of a tied one share it
+        for info in mine:
+            tied = info.tied_to[len(PREFIX):] if info.tied_to and info.tied_to.startswith(PREFIX) else None
+            placeholders[info.name[len(PREFIX):]] = placeholders[tied] if tied in placeholders else torch.empty(1)
+        kept = set(remove_tied_weights_from_state_dict(dict(placeholders), self.hf))
+        kept -= set(getattr(self.hf, "_keys_to_ignore_on_save", None) or ())
+        self.plan: Dict[str, List[Entry]] = {}  # framework name -> what hf_model/ holds of it
+        self.renamed = set()  # names whose tensors transformers converts (renames, splits)
+        for info in mine:
+            key = info.name[len(PREFIX):]
+            if key in kept:
+                out = self._revert(key, torch.empty(info.shape, dtype=info.dtype, device="meta"))
+                self.plan[info.name] = [Entry(k, tuple(v.shape), v.dtype) for k, v in out]
+                if [(k, tuple(v.shape)) for k, v in out] != [(key, info.shape)]:
+                    self.renamed.add(info.name)
+
+    def _revert(self, key: str, tensor: torch.Tensor) -> List[Tuple[str, torch.Tensor]]:
+        from transformers.modeling_utils import revert_weight_conversion
+
+        return list(revert_weight_conversion(self.hf, {key: tensor}).items())
+
+    def entries(self) -> List[Entry]:
+        """Every tensor hf_model/ holds, in the layout's order."""
+        return [entry for entries in self.plan.values() for entry in entries]
+
+    def convert(self, name: str, tensor: torch.Tensor) -> List[Tuple[str, torch.Tensor]]:
+        """What hf_model/ holds of the framework's tensor ``name`` (nothing: a dropped tied name)."""
+        if name not in self.plan:
+            return []
+        key = name[len(PREFIX):]
+        return self._revert(key, tensor) if name in self.renamed else [(key, tensor)]
+
+    def write_files(self, directory: Path) -> None:
+        """config.json (FP32: the weights written are), the generation config, the tokenizer's files."""
+        config = copy.deepcopy(self.hf.config)  # the training model's own stays as it is
+        config.dtype = "float32"
+        # fully_shard names a unit's class FSDP<Name>; transformers strips the prefix as well
+        config.architectures = [type(self.hf).__name__.removeprefix("FSDP")]
+        config.save_pretrained(directory)
+        if self.hf.can_generate():
+            self.hf.generation_config.save_pretrained(directory)
+        _save_tokenizer(self.module, directory)
+
+
+class HFModelWriter:
+    """``hf_model/`` written tensor by tensor under a temporary name (``add``), renamed when complete (``close``)."""
+
+    def __init__(self, module: torch.nn.Module, layout: Sequence[TensorInfo], out: Path,
+                 max_shard_mb: Optional[float] = None):
+        self.weights, self.out = HFWeights(module, layout), out
+        self.tmp = temporary_dir(out)
+        self.weights.write_files(self.tmp)
+        self.writer = SafetensorsWriter(self.tmp, self.weights.entries(),
+                                        int((max_shard_mb or DEFAULT_SHARD_MB) * 2**20))
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        for key, value in self.weights.convert(name, tensor):
+            self.writer.write(key, value)
+
+    def close(self) -> None:
+        self.writer.close()
+        replace_dir(self.tmp, self.out)
+
+    def abandon(self) -> None:
+        self.writer.abandon()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def layout_of(state: Dict[str, torch.Tensor], ties: Dict[str, str]) -> List[TensorInfo]:
+    """The layout of a whole state dict held in this process (FP32 floating tensors as written)."""
+    return [TensorInfo(name, tuple(t.shape), torch.float32 if t.is_floating_point() else t.dtype, 0, ties.get(name))
+            for name, t in state.items()]
+
+
+def write_hf_model(module: torch.nn.Module, layout: Sequence[TensorInfo], tensors: Iterable[Tuple[str, torch.Tensor]],
+                   out: Path, max_shard_mb: Optional[float] = None) -> None:
+    """``out`` from ``tensors`` (the layout's, in its order, FP32), one at a time; complete, or not there."""
+    writer = HFModelWriter(module, layout, out, max_shard_mb)
+    try:
+        for name, tensor in tensors:
+            writer.add(name, tensor)
+        writer.close()
+    except BaseException:
+        writer.abandon()
+        raise
 
 
 def save_pretrained(module: torch.nn.Module, state: Dict[str, torch.Tensor], out: Path,
@@ -42,28 +153,30 @@ def save_pretrained(module: torch.nn.Module, state: Dict[str, torch.Tensor], out
     """Write ``state`` (the framework's full FP32 state dict of an HFModel) as a Hugging Face directory.
 
     A LoRA model: the merged model in ``out``, the adapters in ``adapter_out``
-    (default: ``hf_adapter`` beside ``out``).
+    (default: ``hf_adapter`` beside ``out``), by peft's own writers on a whole
+    copy (merging needs base and adapters together). It is not written tensor by
+    tensor: a LoRA base is frozen and built whole on every rank from the start
+    (``models.construct.build``), and the adapters are small beside it, so the
+    whole copy costs rank 0 what each rank already held.
     """
-    hf_state = {key[len(PREFIX):]: value for key, value in state.items() if key.startswith(PREFIX)}
     if _is_peft(module.model):
+        hf_state = {key[len(PREFIX):]: value for key, value in state.items() if key.startswith(PREFIX)}
         lora = _peft_copy(module, hf_state)
         _write(lambda tmp: (lora.save_pretrained(tmp), _save_tokenizer(module, tmp)),
                adapter_out or out.parent / "hf_adapter")
         merged = lora.merge_and_unload()
         _write(lambda tmp: (merged.save_pretrained(tmp), _save_tokenizer(module, tmp)), out)
         return
-    _write(lambda tmp: (module.model.save_pretrained(tmp, state_dict=hf_state), _save_tokenizer(module, tmp)), out)
+    fp32 = ((name, t.float() if t.is_floating_point() else t) for name, t in state.items())
+    write_hf_model(module, layout_of(state, parameter_ties(module)), fp32, out)
 
 
-def _write(fill, out: Path) -> None:
+def _write(fill: Callable[[Path], object], out: Path) -> None:
     """``fill(tmp)``, then ``tmp`` renamed to ``out``: a directory complete, or not there."""
-    tmp = out.parent / f".tmp-{out.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = temporary_dir(out)
     try:
         fill(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -75,15 +188,18 @@ def _save_tokenizer(module: torch.nn.Module, directory: Path) -> None:
         load_tokenizer(module.tokenizer_spec, chat_template=module.chat_template).save(directory)
 
 
-def _is_peft(model: torch.nn.Module) -> bool:
+def is_lora(module: torch.nn.Module) -> bool:
+    """An HFModel holding a peft (LoRA) model."""
+    return _is_peft(getattr(module, "model", None))
+
+
+def _is_peft(model: Optional[torch.nn.Module]) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "merge_and_unload")
 
 
 def _peft_copy(module: torch.nn.Module, hf_state: Dict[str, torch.Tensor]) -> torch.nn.Module:
     """A CPU copy of the LoRA model holding ``hf_state``: merging it leaves the training model as it is
     (under fsdp its parameters are shards, and training may go on)."""
-    import copy
-
     import peft
     import transformers
 
@@ -109,24 +225,71 @@ def _checkpoint_of(path: checkpoint.Location) -> checkpoint.Location:
     return found[0]
 
 
-def export(path: Union[str, Path], out: Path, adapter_out: Optional[Path] = None) -> checkpoint.Location:
-    """Rebuild the model from the configuration the checkpoint records, load its weights, write ``out``."""
-    from hydra.utils import instantiate
+def export(path: Union[str, Path], out: Path, adapter_out: Optional[Path] = None,
+           max_shard_mb: Optional[float] = None) -> checkpoint.Location:
+    """Write ``out`` from a checkpoint: the model's configuration is the one the checkpoint records.
 
-    from ..precision import load_trained
-
+    The model is built on the meta device (names, shapes, ties, its configuration: no weights) and each tensor
+    read from the checkpoint, written, and dropped: a sharded checkpoint is never whole in memory (a ddp one is,
+    in shared.pt, as its run held it). A LoRA checkpoint (the adapters and the base's digest) rebuilds the base
+    whole from the configuration and merges it (``save_pretrained``).
+    """
     ckpt = _checkpoint_of(checkpoint.location(path))
-    shared, state = checkpoint.read_model(ckpt)
+    shared, shapes, read = checkpoint.model_tensors(ckpt)
     model_cfg = shared.get("model_config") or {}
     if model_cfg.get("_target_") != "dist_trainer.hf.models.hf_model":
         raise ConfigError(f"model._target_={model_cfg.get('_target_')}: export writes Hugging Face models "
                           "(model=hf_causal_lm or model=hf_masked_lm); use final_model.pt for this one")
-    torch.manual_seed(shared.get("model_seed", 0))  # as the run built it: the same weights where none are loaded
-    module = instantiate(model_cfg, _convert_="all")
-    checkpoint.check_frozen(shared.get("frozen"), checkpoint.frozen_digest(module), ckpt)
-    load_trained(module, state)  # a LoRA checkpoint: the adapters; the base is the configuration's
-    save_pretrained(module, module.state_dict(), out, adapter_out)  # hf_model builds in FP32
+    if shared.get("frozen") is not None:
+        _export_lora(shared, ckpt, out, adapter_out)
+        return ckpt
+    module = _meta_model(model_cfg)
+    layout = layout_of(module.state_dict(), parameter_ties(module))
+    writer = HFModelWriter(module, layout, out, max_shard_mb)
+    try:
+        for info in layout:
+            if info.name not in writer.weights.plan:
+                continue  # a tied name transformers leaves out: not even read
+            name = info.name if info.name in shapes else info.tied_to  # a tied weight saved once
+            if name not in shapes:
+                raise checkpoint.CheckpointError(f"{ckpt}: the model's {info.name} is not in the checkpoint")
+            tensor = read(name)
+            writer.add(info.name, tensor.float() if tensor.is_floating_point() else tensor)
+            del tensor
+        writer.close()
+    except BaseException:
+        writer.abandon()
+        raise
     return ckpt
+
+
+def _meta_model(model_cfg: Dict) -> torch.nn.Module:
+    """The configured model on the meta device (a constructor that reads values: built whole)."""
+    from hydra.utils import instantiate
+
+    from ..models.construct import NotRecordable, record
+
+    extra = {"load_weights": False} if model_cfg.get("pretrained") else {}  # its configuration, not its files
+    make = lambda: instantiate(model_cfg, _convert_="all", **extra)  # noqa: E731
+    try:
+        return record(make)[0]
+    except NotRecordable:
+        return make()
+
+
+def _export_lora(shared: Dict, ckpt: checkpoint.Location, out: Path, adapter_out: Optional[Path]) -> None:
+    """A LoRA checkpoint: the base rebuilt whole from the configuration (its digest checked), the adapters
+    loaded, the merged model and the adapters written by peft."""
+    from hydra.utils import instantiate
+
+    from ..precision import load_trained
+
+    _, state = checkpoint.read_model(ckpt)
+    torch.manual_seed(shared.get("model_seed", 0))  # as the run built it: the same weights where none are loaded
+    module = instantiate(shared["model_config"], _convert_="all")
+    checkpoint.check_frozen(shared.get("frozen"), checkpoint.frozen_digest(module), ckpt)
+    load_trained(module, state)  # the adapters; the base is the configuration's
+    save_pretrained(module, module.state_dict(), out, adapter_out)  # hf_model builds in FP32
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -137,9 +300,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("out", type=Path, metavar="OUT_DIR")
     parser.add_argument("--adapter-out", type=Path, metavar="ADAPTER_DIR",
                         help="a LoRA model's adapters (default: hf_adapter beside OUT_DIR)")
+    parser.add_argument("--max-shard-mb", type=float, metavar="MB",
+                        help=f"the largest safetensors file, in MiB (default {DEFAULT_SHARD_MB}); a larger "
+                             "model is split into files with model.safetensors.index.json")
     args = parser.parse_args(argv)
     try:
-        ckpt = export(args.checkpoint, args.out, args.adapter_out)
+        ckpt = export(args.checkpoint, args.out, args.adapter_out, args.max_shard_mb)
     except (ConfigError, checkpoint.CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
