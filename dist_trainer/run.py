@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import random
 import time
 import traceback
@@ -25,6 +24,7 @@ from .compiling import CompileWatch, eager_eval
 from .config import BatchPlan, Config, ConfigError, logger_names, validate
 from .data import StepPlan, TrainLoader, build_dataset, eval_loader
 from .distributed import DistEnv
+from .final import save_final_model
 from .finder import find_micro_batch_size, largest_divisor_at_most, model_trial
 from .health import stragglers, watchdog
 from .health.watchdog import Watchdog
@@ -228,8 +228,8 @@ def _train(cfg: Config, plan: BatchPlan, env: DistEnv, run_dir: Path, watch: Wat
         stop.close()
         outputs.close()
     watch.begin("final", position.step)
-    final = parts.trainer.strategy.full_state_dict()  # every rank takes part; under fsdp rank 0 gets it whole
-    save_final_model(final, run_dir, env, position.step, _hf_export(model))
+    # Every rank walks the model tensor by tensor; rank 0 writes final_model.pt (or final_model/) and hf_model/.
+    save_final_model(parts.trainer.strategy, model, run_dir, env, position.step)
     trackers.finish(tracking.final_artifacts(run_dir, cfg.logging.hf_model_artifact) if trackers.backends else [])
     return summary
 
@@ -245,37 +245,6 @@ def start_trackers(cfg: Config, plan: BatchPlan, numbers: Dict[str, Any], run_di
             summary["tokens_per_step"] = plan.global_batch_size * cfg.data["block_size"]
         trackers.start(tracking.flatten(asdict(cfg)), summary)
     return trackers
-
-
-def _hf_export(model: nn.Module) -> Optional[Callable[[Dict[str, torch.Tensor], Path], None]]:
-    """How to write hf_model/ for a Hugging Face model; None for any other."""
-    if not hasattr(model, "tokenizer_spec"):  # dist_trainer.hf.models.HFModel
-        return None
-    from .hf.export import save_pretrained
-
-    return lambda state, run_dir: save_pretrained(model, state, run_dir / "hf_model")
-
-
-def save_final_model(state: Dict[str, torch.Tensor], run_dir: Path, env: DistEnv, step: int,
-                     export: Optional[Callable[[Dict[str, torch.Tensor], Path], None]] = None) -> None:
-    """Rank 0 writes final_model.pt (and hf_model/ with ``export``), whole or not at all; every rank learns whether it could."""
-    failure: list = [None]
-    if env.is_main:
-        path, tmp = run_dir / "final_model.pt", run_dir / ".tmp-final_model.pt"
-        try:
-            torch.save(state, tmp)
-            os.replace(tmp, path)
-            if export is not None:
-                export(state, run_dir)
-        except checkpoint.WRITE_ERRORS as err:
-            tmp.unlink(missing_ok=True)
-            failure = [f"{type(err).__name__}: {err}"]
-    dist.broadcast_object_list(failure, src=0)
-    if failure[0]:
-        raise checkpoint.CheckpointWriteError(
-            f"final_model.pt (or hf_model/) could not be written in {run_dir} ({failure[0]}). Training finished and the "
-            f"checkpoint of step {step} is intact: free space or make the directory writable, then start the run "
-            "again in the same directory; it resumes at its end and writes final_model.pt.")
 
 
 def resume(parts: Parts, plan: BatchPlan, env: DistEnv, ckpt_root: checkpoint.Location, seed: int, keep: int = 3,
