@@ -146,7 +146,7 @@ class WholeTensors:
             t = self.local.get(info.name)
             if t is not None and hasattr(t, "full_tensor"):
                 t = t.full_tensor()  # a collective of every rank of its mesh, all of which hold this name
-            if t is not None:
+            if t is not None and self.rank in (0, info.holder):
                 t = t.to(info.dtype)
             if self.rank == 0:
                 if t is None:  # held by another pipeline stage only: its lowest rank sends it
