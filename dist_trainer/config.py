@@ -175,6 +175,9 @@ class DistConfig:
     # Class names of the model's repeated blocks (FSDP units, activation checkpointing);
     # null: what the model declares in _no_split_modules.
     blocks: Optional[List[str]] = None
+    # fsdp, hsdp, tp, pp: build the model on the meta device and materialise each rank's shards only
+    # (dist_trainer/models/construct.py); false: build it whole on every rank first, then shard it.
+    meta_init: bool = True
     activation_checkpointing: bool = False
     sync_batchnorm: bool = False
     find_unused_parameters: bool = False
@@ -558,6 +561,7 @@ def _validate_values(cfg: Config) -> None:
     _check(f.shard_size is None or f.shard_size == "node" or
            (isinstance(f.shard_size, int) and not isinstance(f.shard_size, bool) and f.shard_size >= 1),
            "dist.fsdp.shard_size", f.shard_size, "must be null (all ranks), node, or a number of ranks >= 1")
+    _check(isinstance(d.meta_init, bool), "dist.meta_init", d.meta_init, "must be true or false")
     _check(d.blocks is None or (isinstance(d.blocks, list) and all(isinstance(b, str) and b for b in d.blocks)),
            "dist.blocks", d.blocks, "must be a list of class names, or null for what the model declares")
     if d.strategy == "ddp":

@@ -73,3 +73,50 @@ def available_bytes() -> int | None:
     except (OSError, ValueError):
         pass
     return min(found) if found else None
+
+
+def _status_bytes(field: str) -> int | None:
+    """A field of /proc/self/status (VmRSS, VmHWM) in bytes, or None where it cannot be read."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class PhasePeak:
+    """The most resident memory a phase (loading the model, exporting it) added above what the process held
+    before it: the kernel's peak (VmHWM) reset at the start (/proc/self/clear_refs, Linux 4.0 and later)
+    minus the resident memory then. ``mb`` is None where the kernel does not offer both.
+
+    ``with PhasePeak() as peak: ...`` then ``peak.mb``.
+    """
+
+    def __init__(self) -> None:
+        self.mb: float | None = None
+        self._before: int | None = None
+        self.peak: int | None = None  # bytes: the kernel's peak resident memory during the phase
+
+    def __enter__(self) -> "PhasePeak":
+        self._before = _status_bytes("VmRSS")
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # 5: reset the peak resident set size to the current one
+        except OSError:
+            self._before = None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        peak = _status_bytes("VmHWM")
+        if self._before is not None and peak is not None:
+            self.peak = peak
+            self.mb = max(0, peak - self._before) / 2**20
+
+    def since(self, earlier: "PhasePeak") -> float | None:
+        """MiB added from the start of ``earlier`` (an adjacent phase before this one) to this phase's end."""
+        if earlier._before is None or earlier.peak is None or self.peak is None:
+            return None
+        return max(0, max(earlier.peak, self.peak) - earlier._before) / 2**20

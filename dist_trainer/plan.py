@@ -272,7 +272,8 @@ def pp_expected(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
         out.append({"stages": g["stages"], "blocks": g["blocks"], "first": g["first"], "last": g["last"],
                     "step": counts, "state_mb": state / MIB, "inflight": inflight[r],
                     "step_peak_state_mb": (state + held) / MIB,
-                    "ckpt_staging_mb": expected_staging_bytes(cfg, trained, 0, S, cut) / MIB})
+                    "ckpt_staging_mb": expected_staging_bytes(cfg, trained, 0, S, cut) / MIB,
+                    "held_params": [p for unit in g["units"] for p in unit]})
     return out
 
 
@@ -412,6 +413,48 @@ def meta_model(cfg: Config, precision: Precision) -> nn.Module:
     return model
 
 
+def expected_load_bytes(cfg: Config, mesh: MeshShape, model: nn.Module, cut: Dict[int, torch.Size],
+                        held: Optional[List[torch.Tensor]] = None) -> int:
+    """Host memory building (or loading) the model adds to the rank that holds the most.
+
+    Under fsdp, hsdp, tp and pp (built on the meta device, ``models.construct``): the rank's FP32 shards of its
+    parameters (``held``: a pipeline stage group's; default all) and its buffers whole, and beside them one
+    tensor at a time: from the recorded constructor the largest whole tensor (each is drawn whole, as one
+    process draws it); from pretrained files nothing where they hold FP32 (a shard is read straight into its
+    storage), else the largest shard in the files' dtype. Under ddp: the whole model, built as before, and
+    DDP's gradient buckets (as large as the trained parameters); from pretrained files also the largest file,
+    which transformers' loader maps into the process while it reads it.
+    """
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}.values()
+    whole = sum(t.numel() * 4 for t in tensors)
+    source = cfg.model.get("pretrained")
+    if not (mesh.strategy == "fsdp" or mesh.tp > 1 or mesh.pp > 1) or not cfg.dist.meta_init:
+        buckets = sum(p.numel() * 4 for p in {id(p): p for p in model.parameters() if p.requires_grad}.values())
+        mapped = 0
+        if source and Path(source).expanduser().is_dir():
+            mapped = max((f.stat().st_size for f in Path(source).expanduser().glob("*.safetensors")), default=0)
+        return whole + buckets + mapped
+    ids = {id(p) for p in held} if held is not None else None
+    params = [p for p in {id(p): p for p in model.parameters()}.values() if ids is None or id(p) in ids]
+    shards = [shard_elements(p, mesh.shard, cut.get(id(p))) for p in params]
+    buffers = sum(b.numel() * 4 for b in model.buffers())
+    if source:
+        itemsize = pretrained_itemsize(Path(source).expanduser())
+        beside = 0 if itemsize == 4 else max(shards, default=0) * itemsize
+    else:
+        beside = max((t.numel() * 4 for t in tensors), default=0)
+    return sum(shards) * 4 + buffers + beside
+
+
+def pretrained_itemsize(directory: Path) -> int:
+    """The largest element size of the floating tensors in a save_pretrained directory (their headers only)."""
+    from .models.pretrained import DTYPES, SafetensorsFile, SafetensorsSource
+
+    files = {path: SafetensorsFile(path) for path in set(SafetensorsSource(directory).files.values())}
+    return max((DTYPES[entry["dtype"]].itemsize for f in files.values() for entry in f.tensors.values()
+                if DTYPES[entry["dtype"]].is_floating_point), default=4)
+
+
 def plan_numbers(cfg: Config, plan: BatchPlan, model: Optional[nn.Module] = None) -> Dict[str, Any]:
     """What plan.json holds: the mesh, the split, and each metrics.jsonl key a full step will show.
 
@@ -448,6 +491,7 @@ def plan_numbers(cfg: Config, plan: BatchPlan, model: Optional[nn.Module] = None
                                                      (precision.param_dtype or torch.float32).itemsize) / MIB
                                if mesh.tp > 1 and not auto else None),
         "ckpt_staging_mb": expected_staging_bytes(cfg, params, persistent_buffer_bytes(model), mesh.shard, cut) / MIB,
+        "load_host_peak_mb": expected_load_bytes(cfg, mesh, model, cut) / MIB,
         "step": step, "first_step": None if step is None else first_step_comm(step),
         "resumed_step": None if step is None else resumed_step_comm(step),
     }
@@ -478,10 +522,13 @@ def _pp_numbers(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
         "parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "state_mb": max(g["state_mb"] for g in groups),
         "step_peak_state_mb": max(g["step_peak_state_mb"] for g in groups),
+        # each stage group's blocks (and the first's embeddings, the last's head): the first group's bound
+        "load_host_peak_mb": max(expected_load_bytes(cfg, mesh, model, local_shapes(model, cfg.dist.tp),
+                                                     g["held_params"]) for g in groups) / MIB,
         "ckpt_staging_mb": max(g["ckpt_staging_mb"] for g in groups),
         "norm_activation_mb": None,
         "pp_bubble": pp_bubble(pp.schedule, mesh.pp, pp.stages_per_rank, plan.accum_steps),
-        "pp_stage_groups": [{**g, "first_step": first_step_comm(g["step"]),
+        "pp_stage_groups": [{**{k: v for k, v in g.items() if k != "held_params"}, "first_step": first_step_comm(g["step"]),
                              "resumed_step": resumed_step_comm(g["step"])} for g in groups],
         "step": step, "first_step": first_step_comm(step), "resumed_step": resumed_step_comm(step),
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import random
 import time
@@ -127,6 +128,7 @@ class Parts:
     frozen: Optional[str] = None  # checkpoint.frozen_digest of the model as built: what checkpoints leave out
     model_seed: int = 0  # the seed the model was built with: an export rebuilds the same frozen weights
     built_on_meta: bool = False  # each rank materialised its own shards only (models.construct)
+    load_host_peak_mb: Optional[float] = None  # what building or loading the model added to this rank's memory
 
 
 def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
@@ -138,16 +140,21 @@ def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
     precision = Precision(cfg.precision, env.device)
     # Under fsdp, hsdp, tp and pp the model is built on the meta device and each rank materialises its shards.
     mesh = plan.mesh
-    sharded = mesh.strategy == "fsdp" or mesh.tp > 1 or mesh.pp > 1
+    sharded = (mesh.strategy == "fsdp" or mesh.tp > 1 or mesh.pp > 1) and cfg.dist.meta_init
     whole = lambda: instantiate(cfg.model, _convert_="all")  # noqa: E731
     make, source = whole, None
     if sharded and cfg.model.get("pretrained") and cfg.model.get("_target_") == HF_MODEL:  # its slices, on each rank
         make = lambda: instantiate(cfg.model, _convert_="all", load_weights=False)  # noqa: E731
         source = pretrained.SafetensorsSource(Path(cfg.model["pretrained"]).expanduser())
-    model, materialise = construct.build(make, sharded, env.device, log.warning if env.is_main else lambda _: None,
-                                         whole, source)
-    frozen = checkpoint.frozen_digest(model)  # before wrapping: whole tensors on every rank (None on meta)
-    strategy = build_strategy(model, env, cfg.dist, mesh, precision, cfg.trainer.compile, materialise)
+    # What building (or loading) the model adds to this rank's memory: on the meta device the shards'
+    # materialisation (the recording imports the model's library and allocates nothing), whole from the start.
+    with hostmem.PhasePeak() as built:
+        model, materialise = construct.build(make, sharded, env.device,
+                                             log.warning if env.is_main else lambda _: None, whole, source)
+    with hostmem.PhasePeak() as wrapped:
+        frozen = checkpoint.frozen_digest(model)  # before wrapping: whole tensors on every rank (None on meta)
+        strategy = build_strategy(model, env, cfg.dist, mesh, precision, cfg.trainer.compile, materialise)
+    load_mb = materialise.mb if materialise is not None else wrapped.since(built)
     optimizer = build_optimizer(strategy.weights.optimizer_params(), cfg.optim, plan.lr)
     trainer = Trainer(strategy, optimizer, precision, env, plan, cfg.optim, cfg.trainer, cfg.batch.partial_step)
     # Dropout and other runtime randomness per data-parallel rank: a tp group's ranks draw alike, so what
@@ -159,7 +166,7 @@ def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     return Parts(trainer, step_plan, train_set, eval_set, dict(cfg.model), frozen, cfg.trainer.seed,
-                 materialise is not None)
+                 materialise is not None, load_mb)
 
 
 def choose_micro_batch(cfg: Config, parts: Parts, env: DistEnv) -> BatchPlan:
@@ -205,6 +212,7 @@ def _train(cfg: Config, plan: BatchPlan, env: DistEnv, run_dir: Path, watch: Wat
         # From the built model: the meta device's first initialisation costs seconds (torch's refs).
         numbers = plan_numbers(cfg, plan, model)
         write_plan_json(numbers, run_dir / "plan.json")
+    report_host_memory("load", parts.load_host_peak_mb, numbers.get("load_host_peak_mb"), run_dir, env)
     if cfg.trainer.ckpt_async:  # before training: a copy that cannot fit must not start
         problem = [background.host_memory_problem(numbers["ckpt_staging_mb"], env.local_world_size,
                                                   hostmem.available_bytes()) if env.is_main else None]
@@ -232,6 +240,22 @@ def _train(cfg: Config, plan: BatchPlan, env: DistEnv, run_dir: Path, watch: Wat
     save_final_model(parts.trainer.strategy, model, run_dir, env, position.step)
     trackers.finish(tracking.final_artifacts(run_dir, cfg.logging.hf_model_artifact) if trackers.backends else [])
     return summary
+
+
+def report_host_memory(phase: str, mb: Optional[float], predicted: Optional[float], run_dir: Path,
+                       env: DistEnv) -> None:
+    """Every rank's measured host memory of a phase (load, export) into host_memory.json; rank 0 logs the most."""
+    every: list = [None] * env.world_size
+    dist.all_gather_object(every, mb)  # every rank takes part
+    if not env.is_main or any(v is None for v in every):
+        return
+    path = run_dir / "host_memory.json"
+    record = json.loads(path.read_text()) if path.exists() else {}
+    record[f"{phase}_host_peak_mb"] = every
+    path.write_text(json.dumps(record))
+    rank = max(range(len(every)), key=every.__getitem__)
+    log.info("host memory added by the model's %s: %.0f MiB on rank %d, the most of any rank%s", phase,
+             every[rank], rank, f" (plan: {predicted:.0f} MiB)" if predicted is not None else "")
 
 
 def start_trackers(cfg: Config, plan: BatchPlan, numbers: Dict[str, Any], run_dir: Path, is_main: bool,
