@@ -5,7 +5,7 @@
   model tensor, and the manifest seals the shard files like any other;
 * a resume on another world size (2 -> 1, 1 -> 2) or with the other strategy
   (fsdp -> ddp, ddp -> fsdp) continues the run with the global batch kept,
-  within 1e-5 of the uninterrupted run;
+  within 5e-5 of the uninterrupted run (RESUME_TOL: AdamW after another reduction order);
 * a crafted shard metadata file (DCP's is a pickle) cannot run code: it is refused;
 * final_model.pt is one full FP32 state dict, equal to ddp's keys.
 
@@ -78,6 +78,16 @@ def test_fsdp_resume_at_the_same_world_size_is_bit_identical(runs, tmp_path):
     assert_bit_identical(runs.half, runs.ref)
 
 
+# A resume on another world size or strategy reduces the first K steps' gradients in another order than the
+# uninterrupted run, then AdamW divides each element's moment by its own root mean square: an element whose
+# gradient is not far above the rounding of the sum it comes from carries that rounding into its update at a
+# far larger relative size than SGD would. Measured on a 2 vCPU AMD EPYC (AVX2): fsdp 1 -> 2 ends 1.43e-5 of the
+# scale from the uninterrupted run (1.29e-5 under ATEN_CPU_CAPABILITY=default), the three other resumes within
+# 1e-5. 5e-5 holds that with a margin, and stays 20x below what a real error of the algorithm gives (1e-3 of
+# the scale or more: a sample counted twice, the global batch not kept).
+RESUME_TOL = 5e-5
+
+
 def _assert_continues(run_dir: Path, ref_dir: Path) -> None:
     got, want = metrics(run_dir), metrics(ref_dir)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
@@ -86,7 +96,7 @@ def _assert_continues(run_dir: Path, ref_dir: Path) -> None:
                         torch.tensor([r["loss"] for r in want], dtype=torch.float64), "losses")
     params, ref = final_params(run_dir), final_params(ref_dir)
     assert params.keys() == ref.keys()
-    assert_all_close_scaled(params, ref, "final parameters")
+    assert_all_close_scaled(params, ref, "final parameters", tol=RESUME_TOL)
 
 
 @pytest.mark.slow  # 15-60 s of real launches: .ci/run runs it with the slow set
