@@ -5,7 +5,7 @@
 
 Each model is a qwen2 saved by transformers (head tied to the embedding, safetensors files of at most
 500 MB with an index). Every mode is a real ``torchrun -m dist_trainer`` run of one optimizer step (micro
-batch 1 x 32 tokens) that ends with ``final_model.pt`` (or ``final_model/``) and ``hf_model/``:
+batch 1 x 32 tokens) that ends with ``final_model.pt`` and ``hf_model/``:
 
 * ddp: every rank builds the whole model (``from_pretrained``), as every mesh did before;
 * fsdp and tp 2, ``dist.meta_init=false``: built whole on every rank, then sharded (the behaviour before);

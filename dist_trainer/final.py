@@ -1,31 +1,28 @@
-"""The run's last outputs: the trained weights as ``final_model.pt`` (or ``final_model/``) and ``hf_model/``.
+"""The run's last outputs: the trained weights as ``final_model.pt`` and ``hf_model/``.
 
 Every rank walks the whole model once, tensor by tensor, through its strategy's
 ``full_tensors()`` (``parallel.state.WholeTensors``); rank 0 gets each tensor
-whole, in FP32, and hands it to the writers, so no rank holds the model whole
-unless it is to be written whole:
+whole, in FP32, and hands it to the writers, which write it and let it go, so no
+rank ever holds the model whole:
 
-* ``final_model.pt``, one ``torch.save`` of the plain FP32 state_dict (the
-  contract), where the whole model fits in rank 0's host memory: below half of
-  what ``hostmem.available_bytes()`` reports there (or ``$DIST_TRAINER_FINAL_MODEL_MAX_MB``,
-  MiB). Rank 0 decides from the layout, before anything is gathered, and every
-  rank learns its decision.
-* ``final_model/`` otherwise: the same names and values as safetensors files
-  with ``model.safetensors.index.json`` (``models.export``), and one line in the
-  log saying why and where.
-* ``hf_model/`` for a Hugging Face model, from the same walk (``hf.export.HFModelWriter``).
+* ``final_model.pt``: the plain FP32 state_dict (the contract) in ``torch.save``'s
+  format, each tensor's bytes appended as it arrives and the pickled dict written
+  last (``models.torchsave``): ``torch.load(path, weights_only=True)`` reads it,
+  and ``mmap=True`` maps it, as it reads one ``torch.save`` wrote, for a model of
+  any size.
+* ``hf_model/`` for a Hugging Face model, from the same walk (``hf.export.HFModelWriter``):
+  safetensors files of at most ``$DIST_TRAINER_MAX_SHARD_MB`` MiB (default
+  ``models.export.DEFAULT_SHARD_MB``) with an index where there are several.
 
-Files of at most ``$DIST_TRAINER_MAX_SHARD_MB`` MiB (default
-``models.export.DEFAULT_SHARD_MB``). Each output is written under a temporary
-name and renamed when complete; one that cannot be written (a full disk)
-stops every rank alike with one message, after every rank has finished the walk.
+Each output is written under a temporary name and renamed when complete; one
+that cannot be written (a full disk) stops every rank alike with one message,
+after every rank has finished the walk.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -33,15 +30,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import checkpoint, hostmem
+from . import checkpoint
 from .distributed import DistEnv
-from .models.export import DEFAULT_SHARD_MB, Entry, SafetensorsWriter, replace_dir, temporary_dir
+from .models.export import DEFAULT_SHARD_MB
+from .models.torchsave import TorchSaveWriter
 from .parallel.state import WholeTensors
 
 log = logging.getLogger("dist_trainer")
 
-FINAL_PT, FINAL_DIR, HF_DIR = "final_model.pt", "final_model", "hf_model"
-MAX_MB_ENV = "DIST_TRAINER_FINAL_MODEL_MAX_MB"  # final_model.pt only for a model of at most this many MiB
+FINAL_PT, HF_DIR = "final_model.pt", "hf_model"
 SHARD_MB_ENV = "DIST_TRAINER_MAX_SHARD_MB"  # the largest safetensors file written, MiB
 
 
@@ -53,81 +50,46 @@ def save_final_model(strategy: Any, module: nn.Module, run_dir: Path, env: DistE
         _save_whole(strategy.full_state_dict(), module, run_dir, env, step)
         return
     tensors = strategy.full_tensors()  # every rank learns the layout; nothing is gathered yet
-    whole = _fits(tensors.nbytes, env)
     shard_mb = float(os.environ.get(SHARD_MB_ENV) or DEFAULT_SHARD_MB)
     writers: List[Any] = []
     failure: Optional[str] = None
     if env.is_main:
-        failure = _guard(lambda: writers.extend(_writers(tensors, module, run_dir, whole, shard_mb)))
+        failure = _guard(lambda: writers.extend(_writers(tensors, module, run_dir, shard_mb)))
     for name, tensor in tensors:  # rank 0 alone gets each tensor; every rank walks to the end
         if failure is None:
             failure = _guard(lambda: [w.add(name, tensor) for w in writers])
         del tensor
     if env.is_main and failure is None:
-        failure = _guard(lambda: _finish(writers, run_dir, whole))
+        failure = _guard(lambda: [w.close() for w in writers])
     if env.is_main:
         if failure is not None:
             for w in writers:
                 w.abandon()
         else:
-            _report(tensors, run_dir, whole, writers)
+            log.info("final_model.pt%s: the FP32 model (%.3g MiB) written tensor by tensor, the largest %.3g MiB "
+                     "held at once", " and hf_model/" if len(writers) > 1 else "", tensors.nbytes / 2**20,
+                     tensors.largest_bytes / 2**20)
     _raise_if_failed(failure, run_dir, env, step)
 
 
-def _fits(nbytes: int, env: DistEnv) -> bool:
-    """Whether final_model.pt is written (the whole model held on rank 0): rank 0 decides, every rank agrees."""
-    decision = [True]
-    if env.is_main:
-        decision = [nbytes <= _bound()[0]]
-    dist.broadcast_object_list(decision, src=0)
-    return bool(decision[0])
-
-
-def _bound() -> tuple[float, str]:
-    """(the most bytes final_model.pt may hold, why that much), on rank 0."""
-    if os.environ.get(MAX_MB_ENV):
-        return float(os.environ[MAX_MB_ENV]) * 2**20, f"{MAX_MB_ENV}={os.environ[MAX_MB_ENV]}"
-    available = hostmem.available_bytes()
-    if available is None:  # nothing to go by: as before, the whole state dict
-        return float("inf"), "rank 0's host memory could not be read"
-    return available / 2, f"half of rank 0's available host memory ({available / 2**20:,.0f} MiB)"
-
-
 class _StateFile:
-    """final_model.pt: the walk's tensors collected into one state dict, saved whole, renamed into place."""
+    """final_model.pt, streamed (``models.torchsave``) under a temporary name, renamed into place when closed."""
 
     def __init__(self, tensors: WholeTensors, run_dir: Path):
-        self.tensors, self.state = tensors, {}
+        self.tensors = tensors
         self.path, self.tmp = run_dir / FINAL_PT, run_dir / f".tmp-{FINAL_PT}"
+        self.writer = TorchSaveWriter(self.tmp)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        self.tensors.collect(self.state, name, tensor)
-
-    def close(self) -> None:
-        _save_state(self.state, self.tmp, self.path)
-
-    def abandon(self) -> None:
-        self.tmp.unlink(missing_ok=True)
-
-
-class _StateDir:
-    """final_model/: the plain state_dict's names and values in safetensors files (and an index)."""
-
-    def __init__(self, layout: list, out: Path, shard_mb: float):
-        self.out, self.tmp = out, temporary_dir(out)
-        self.writer = SafetensorsWriter(self.tmp, [Entry(i.name, i.shape, i.dtype) for i in layout],
-                                        int(shard_mb * 2**20))
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        self.writer.write(name, tensor)
+        # the names of a tied weight share one storage where their values are equal, as in torch.save
+        self.writer.write(name, tensor, self.tensors.by_name[name].tied_to)
 
     def close(self) -> None:
         self.writer.close()
-        replace_dir(self.tmp, self.out)
+        os.replace(self.tmp, self.path)
 
     def abandon(self) -> None:
         self.writer.abandon()
-        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def _save_state(state: Dict[str, torch.Tensor], tmp: Path, path: Path) -> None:
@@ -138,38 +100,13 @@ def _save_state(state: Dict[str, torch.Tensor], tmp: Path, path: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _writers(tensors: WholeTensors, module: nn.Module, run_dir: Path, whole: bool, shard_mb: float) -> List[Any]:
-    writers: List[Any] = [_StateFile(tensors, run_dir) if whole
-                          else _StateDir(tensors.layout, run_dir / FINAL_DIR, shard_mb)]
+def _writers(tensors: WholeTensors, module: nn.Module, run_dir: Path, shard_mb: float) -> List[Any]:
+    writers: List[Any] = [_StateFile(tensors, run_dir)]
     if hasattr(module, "tokenizer_spec"):  # dist_trainer.hf.models.HFModel
         from .hf.export import HFModelWriter
 
         writers.append(HFModelWriter(module, tensors.layout, run_dir / HF_DIR, shard_mb))
     return writers
-
-
-def _finish(writers: List[Any], run_dir: Path, whole: bool) -> None:
-    """Every writer closed (renamed into place); the other form of the final model, from an earlier
-    attempt in this run directory, goes: one of final_model.pt and final_model/ is there, never both."""
-    for w in writers:
-        w.close()
-    if whole:
-        shutil.rmtree(run_dir / FINAL_DIR, ignore_errors=True)
-    else:
-        (run_dir / FINAL_PT).unlink(missing_ok=True)
-
-
-def _report(tensors: WholeTensors, run_dir: Path, whole: bool, writers: List[Any]) -> None:
-    size = f"the FP32 model ({tensors.nbytes / 2**20:.3g} MiB)"
-    largest = f"one tensor at a time (the largest {tensors.largest_bytes / 2**20:.3g} MiB)"
-    if whole:
-        log.info("final_model.pt: %s is within %s: gathered whole on rank 0, %s", size, _bound()[1], largest)
-        return
-    files = len(writers[0].writer.names)
-    log.warning("final_model/ instead of final_model.pt: %s is larger than %s, so no rank gathers it whole; its "
-                "weights (the state_dict's names) are in %s, %d safetensors file(s) with "
-                "model.safetensors.index.json where several, written as rank 0 got them, %s",
-                size, _bound()[1], run_dir / FINAL_DIR, files, largest)
 
 
 def _guard(action: Any) -> Optional[str]:
@@ -190,7 +127,7 @@ def _raise_if_failed(failure: Optional[str], run_dir: Path, env: DistEnv, step: 
     dist.broadcast_object_list(message, src=0)
     if message[0]:
         raise checkpoint.CheckpointWriteError(
-            f"the final model (final_model.pt or final_model/, hf_model/) could not be written in {run_dir} "
+            f"the final model (final_model.pt, hf_model/) could not be written in {run_dir} "
             f"({message[0]}). Training finished and the checkpoint of step {step} is intact: free space or make "
             "the directory writable, then start the run again in the same directory; it resumes at its end and "
             "writes the final model.")

@@ -446,6 +446,16 @@ def expected_load_bytes(cfg: Config, mesh: MeshShape, model: nn.Module, cut: Dic
     return sum(shards) * 4 + buffers + beside
 
 
+def expected_export_bytes(mesh: MeshShape, model: nn.Module) -> int:
+    """The most host memory writing the final model may add to a rank (``final.py``): the tensors are walked one
+    at a time, so under fsdp, hsdp, tp and pp the largest one whole (an all-gather's output) and its buffer;
+    under ddp nothing (rank 0 writes its own FP32 tensors as they are). An upper bound: memory the allocator
+    kept from training serves part of it, so a run measures up to it, never more."""
+    if not (mesh.strategy == "fsdp" or mesh.tp > 1 or mesh.pp > 1):
+        return 0
+    return 2 * max((t.numel() * 4 for t in [*model.parameters(), *model.buffers()]), default=0)
+
+
 def pretrained_itemsize(directory: Path) -> int:
     """The largest element size of the floating tensors in a save_pretrained directory (their headers only)."""
     from .models.pretrained import DTYPES, SafetensorsFile, SafetensorsSource
@@ -492,6 +502,7 @@ def plan_numbers(cfg: Config, plan: BatchPlan, model: Optional[nn.Module] = None
                                if mesh.tp > 1 and not auto else None),
         "ckpt_staging_mb": expected_staging_bytes(cfg, params, persistent_buffer_bytes(model), mesh.shard, cut) / MIB,
         "load_host_peak_mb": expected_load_bytes(cfg, mesh, model, cut) / MIB,
+        "export_host_peak_mb": expected_export_bytes(mesh, model) / MIB,
         "step": step, "first_step": None if step is None else first_step_comm(step),
         "resumed_step": None if step is None else resumed_step_comm(step),
     }
@@ -525,6 +536,7 @@ def _pp_numbers(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
         # each stage group's blocks (and the first's embeddings, the last's head): the first group's bound
         "load_host_peak_mb": max(expected_load_bytes(cfg, mesh, model, local_shapes(model, cfg.dist.tp),
                                                      g["held_params"]) for g in groups) / MIB,
+        "export_host_peak_mb": expected_export_bytes(mesh, model) / MIB,
         "ckpt_staging_mb": max(g["ckpt_staging_mb"] for g in groups),
         "norm_activation_mb": None,
         "pp_bubble": pp_bubble(pp.schedule, mesh.pp, pp.stages_per_rank, plan.accum_steps),

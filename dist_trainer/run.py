@@ -236,8 +236,10 @@ def _train(cfg: Config, plan: BatchPlan, env: DistEnv, run_dir: Path, watch: Wat
         stop.close()
         outputs.close()
     watch.begin("final", position.step)
-    # Every rank walks the model tensor by tensor; rank 0 writes final_model.pt (or final_model/) and hf_model/.
-    save_final_model(parts.trainer.strategy, model, run_dir, env, position.step)
+    # Every rank walks the model tensor by tensor; rank 0 writes final_model.pt and hf_model/.
+    with hostmem.PhasePeak() as export:  # what writing the final model adds to this rank's memory
+        save_final_model(parts.trainer.strategy, model, run_dir, env, position.step)
+    report_host_memory("export", export.mb, numbers.get("export_host_peak_mb"), run_dir, env)
     trackers.finish(tracking.final_artifacts(run_dir, cfg.logging.hf_model_artifact) if trackers.backends else [])
     return summary
 

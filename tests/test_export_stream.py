@@ -4,15 +4,15 @@
 One launch of 2 ranks trains a tiny GPT and a tiny qwen2 (each with its head tied to the embedding: the
 hard case) for 2 steps through ``dist_trainer.run.train`` under fsdp, tp 2 and pp 2, with
 safetensors files bounded to 20 KiB (``$DIST_TRAINER_MAX_SHARD_MB``), so every directory holds several
-files and an index. The runs whose bound for final_model.pt is 0 MiB (``$DIST_TRAINER_FINAL_MODEL_MAX_MB``)
-(the GPT under tp, the qwen2 under pp) take the "does not fit" path and write ``final_model/``. Then, for
-each run:
+files and an index. Then, for each run:
 
-* final_model.pt or final_model/ holds the plain model's state_dict names (a tied head under both), in
-  FP32, equal bit for bit to the trained weights (the last checkpoint, read through DCP);
+* final_model.pt, streamed in torch.save's format (``models.torchsave``), loads with
+  ``torch.load(weights_only=True)`` and with ``mmap=True``, holds the plain model's state_dict names (a tied
+  head under both, one storage), in FP32, equal bit for bit to the trained weights (the last checkpoint,
+  read through DCP);
 * hf_model/ loads with ``from_pretrained`` and equals them bit for bit, and holds the names transformers'
   own ``save_pretrained`` writes (a tied head once);
-* rank 0 held at most one tensor at a time, and said so in the log (with why and where for final_model/);
+* rank 0 held at most one tensor at a time, and said so in the log;
 * ``python -m dist_trainer.export`` of the sharded checkpoint writes the same hf_model/ tensor by tensor.
 """
 
@@ -33,7 +33,7 @@ import torch
 pytest.importorskip("transformers")
 
 from dist_trainer import checkpoint  # noqa: E402
-from dist_trainer.final import MAX_MB_ENV, SHARD_MB_ENV  # noqa: E402
+from dist_trainer.final import SHARD_MB_ENV  # noqa: E402
 from dist_trainer.run import train  # noqa: E402
 from test_accumulation import launch_clean  # noqa: E402
 from test_construct import _fsdp, _pp  # noqa: E402
@@ -41,7 +41,6 @@ from test_hsdp import _gpt  # noqa: E402
 from test_tp import _qwen2, _tp  # noqa: E402
 
 SHARD_MB = 20 / 1024  # 20 KiB: a tiny model's files are several
-SPILL = {"gpt-tp", "qwen2-pp"}  # a bound of 0 MiB: final_model/ instead of final_model.pt
 
 
 def _steps(cfg, steps: int = 2):
@@ -63,10 +62,6 @@ def _worker(rank: int, world: int, root: str) -> dict:
     os.environ[SHARD_MB_ENV] = str(SHARD_MB)
     for name, cfg in JOBS.items():
         said.clear()
-        if name in SPILL:
-            os.environ[MAX_MB_ENV] = "0"
-        else:
-            os.environ.pop(MAX_MB_ENV, None)
         try:
             train(_steps(cfg), Path(root) / name)
             out[name] = {"said": [m for m in said if "final_model" in m]}
@@ -96,11 +91,8 @@ def _safetensors_dir(directory: Path) -> dict:
     return tensors
 
 
-def _final(run_dir: Path) -> dict:
-    if (run_dir / "final_model.pt").exists():
-        assert not (run_dir / "final_model").exists()
-        return torch.load(run_dir / "final_model.pt", weights_only=True)
-    return _safetensors_dir(run_dir / "final_model")
+def _final(run_dir: Path, mmap: bool = False) -> dict:
+    return torch.load(run_dir / "final_model.pt", weights_only=True, mmap=mmap)
 
 
 def _plain_keys(cfg) -> set:
@@ -121,13 +113,15 @@ def test_the_final_model_is_written_tensor_by_tensor_and_equals_the_trained_weig
     root, results = runs
     assert "error" not in results[name], results[name].get("error")
     run_dir = root / name
-    spilled = name in SPILL
-    assert (run_dir / "final_model").is_dir() == spilled and (run_dir / "final_model.pt").is_file() != spilled
-    if spilled:
-        _several_files(run_dir / "final_model")
     final = _final(run_dir)
     assert set(final) == _plain_keys(JOBS[name])  # a tied head under both of its names
     assert {t.dtype for t in final.values()} == {torch.float32}
+    head, embedding = ("head.weight", "tok_emb.weight") if name.startswith("gpt") else \
+        ("model.lm_head.weight", "model.model.embed_tokens.weight")
+    if head in final:  # a tie is one storage, as torch.save keeps it
+        assert final[head].data_ptr() == final[embedding].data_ptr()
+    mapped = _final(run_dir, mmap=True)  # the records are aligned as torch.save aligns them
+    assert all(torch.equal(mapped[k], v) for k, v in final.items())
     ckpt = checkpoint.list_checkpoints(run_dir / "checkpoints")[0]
     _, trained = checkpoint.read_model(ckpt)  # the trained weights, through DCP's reader
     assert set(trained) <= set(final)
@@ -136,14 +130,11 @@ def test_the_final_model_is_written_tensor_by_tensor_and_equals_the_trained_weig
 
     # Rank 0 said what it wrote, and held one tensor at a time.
     said = results[name]["said"]
-    line = next(m for m in said if "one tensor at a time" in m)
+    line = next(m for m in said if "written tensor by tensor" in m)
     total, largest = (float(x) for x in re.search(r"FP32 model \(([\d.e+-]+) MiB\).*the largest ([\d.e+-]+) MiB",
                                                   line).groups())
     biggest = max(t.numel() * t.element_size() for t in final.values()) / 2**20
     assert largest <= biggest * 1.001 and biggest < total / 2, line  # one tensor, the largest, never the model
-    if spilled:
-        assert "final_model/ instead of final_model.pt" in line and "DIST_TRAINER_FINAL_MODEL_MAX_MB=0" in line
-        assert str(run_dir / "final_model") in line
 
 
 @pytest.mark.parametrize("name", [n for n in JOBS if not n.startswith("gpt")])
@@ -191,3 +182,25 @@ def test_export_of_a_sharded_checkpoint_reads_it_tensor_by_tensor(runs, tmp_path
     assert got.keys() == want.keys()
     for key in want:
         assert torch.equal(got[key], want[key]), key
+
+
+def test_the_streamed_final_model_reads_back_as_torch_save_writes_it(tmp_path):
+    """models.torchsave against torch.save itself: the same dict (names, order, dtypes, values), a tie one
+    storage, an empty tensor and a bf16 one, read with weights_only and with mmap."""
+    from dist_trainer.models.torchsave import TorchSaveWriter
+
+    embedding = torch.randn(261, 16)
+    state = {"tok_emb.weight": embedding, "w": torch.randn(3, 5), "steps": torch.tensor([7]),
+             "half": torch.randn(4).bfloat16(), "empty": torch.empty(0, 3), "head.weight": embedding}
+    writer = TorchSaveWriter(tmp_path / "final_model.pt")
+    for key, value in state.items():
+        writer.write(key, value, tied_to="tok_emb.weight" if key == "head.weight" else None)
+    writer.close()
+    torch.save(state, tmp_path / "reference.pt")
+    for mmap in (False, True):
+        got = torch.load(tmp_path / "final_model.pt", weights_only=True, mmap=mmap)
+        want = torch.load(tmp_path / "reference.pt", weights_only=True, mmap=mmap)
+        assert list(got) == list(want)
+        for key in want:
+            assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key]), key
+        assert got["head.weight"].data_ptr() == got["tok_emb.weight"].data_ptr()

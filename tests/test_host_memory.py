@@ -1,7 +1,8 @@
-"""Host memory at load: a pretrained model of 200 MB or more, saved by transformers, trained on 2 real
-torchrun ranks under fsdp and under tp 2. Each rank's measured peak (host_memory.json: what loading added to
-the process's resident memory) stays below 0.6x the model's FP32 size, where building it whole on every rank
-(ddp, as every mesh did before) costs more than 1x, and it equals plan.json's prediction within 10 %.
+"""Host memory at both ends of a run: a pretrained model of 200 MB or more, saved by transformers, trained
+on 2 real torchrun ranks under fsdp and under tp 2, to its final_model.pt and hf_model/. Each rank's measured
+peak (host_memory.json: what loading, then exporting, added to the process's resident memory) stays below
+0.6x the model's FP32 size, where building it whole on every rank (ddp, as every mesh did before) costs more
+than 1x. The load equals plan.json's prediction within 10 %; the export stays within plan.json's bound.
 """
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ def test_loading_a_200_mb_model_holds_its_share_on_each_rank(saved, tmp_path, me
         assert mb < 0.6 * size, f"rank {rank} added {mb:.0f} MiB to load a {size:.0f} MiB model"
         assert abs(mb - predicted) <= 0.1 * predicted, f"rank {rank}: measured {mb:.0f} MiB, plan {predicted:.0f}"
     assert "host memory added by the model's load" in run["log"]
+    # The export walks the model one tensor at a time: each rank adds at most the plan's bound (the largest
+    # tensor whole and its gather's buffer), never a share of the model.
+    bound = run["plan"]["export_host_peak_mb"]
+    for rank, mb in enumerate(run["measured"]["export_host_peak_mb"]):
+        assert mb <= 1.1 * bound and mb < 0.6 * size, f"rank {rank}: export added {mb:.0f} MiB (plan {bound:.0f})"
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Weights out as safetensors files, tensor by tensor: what ``final_model/`` and ``hf_model/`` hold.
+"""Weights out as safetensors files, tensor by tensor: what ``hf_model/`` holds.
 
 The directory is the layout transformers' ``from_pretrained`` reads (and
 ``pretrained.SafetensorsSource`` reads back): one ``model.safetensors``, or
