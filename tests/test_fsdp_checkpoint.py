@@ -81,7 +81,7 @@ def test_fsdp_resume_at_the_same_world_size_is_bit_identical(runs, tmp_path):
 # A resume on another world size or strategy reduces the first K steps' gradients in another order than the
 # uninterrupted run, then AdamW divides each element's moment by its own root mean square: an element whose
 # gradient is not far above the rounding of the sum it comes from carries that rounding into its update at a
-# far larger relative size than SGD would. Measured on a 2 vCPU AMD EPYC (AVX2): fsdp 1 -> 2 ends 1.43e-5 of the
+# far larger relative size than SGD would. Measured on a 2 vCPU Intel Xeon (AVX-512): fsdp 1 -> 2 ends 1.43e-5 of the
 # scale from the uninterrupted run (1.29e-5 under ATEN_CPU_CAPABILITY=default), the three other resumes within
 # 1e-5. 5e-5 holds that with a margin, and stays 20x below what a real error of the algorithm gives (1e-3 of
 # the scale or more: a sample counted twice, the global batch not kept).
