@@ -197,6 +197,7 @@ def test_pretrained_slices_on_2_ranks_equal_from_pretrained_in_one_process(ranks
     _check(ranks2, whole, job)
 
 
+@pytest.mark.slow  # the 4-rank launch: .ci/run runs it with the slow set
 @pytest.mark.parametrize("job", [job for job, _ in JOBS4])
 def test_meta_construction_under_tp2_by_fsdp2_is_bit_identical_to_one_process(ranks4, whole, job):
     _check(ranks4, whole, job)
