@@ -57,7 +57,7 @@ def worker(out_path: str, steps: int) -> None:
     for accum in ACCUMS:
         # dist_trainer's Trainer
         cfg = Config(model={"_target_": "dist_trainer.models.GPT", **MODEL},
-                     data={"_target_": "dist_trainer.datasets.char_text", "block_size": MODEL["block_size"]},
+                     data={"_target_": "dist_trainer.data.builtin.char_text", "block_size": MODEL["block_size"]},
                      batch=BatchConfig(micro_batch_size=MICRO, accum_steps=accum),
                      optim=OptimConfig(lr=2e-3, grad_clip=1.0), trainer=TrainerConfig(max_steps=steps))
         plan = validate(cfg, env.world_size)

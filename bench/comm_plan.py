@@ -49,7 +49,7 @@ def plan_for(model: dict, precision: str, micro: int, accum: int, strategy: str,
     from dist_trainer.plan import plan_numbers
 
     cfg = Config(model={"_target_": "dist_trainer.models.GPT", "dropout": 0.0, **model},
-                 data={"_target_": "dist_trainer.datasets.char_text"},
+                 data={"_target_": "dist_trainer.data.builtin.char_text"},
                  batch=BatchConfig(micro_batch_size=micro, accum_steps=accum),
                  precision=PrecisionConfig(name=precision), trainer=TrainerConfig(),
                  dist=DistConfig(strategy=strategy, fsdp=FSDPConfig(shard_size=shard_size, reshard=reshard)))

@@ -1,7 +1,7 @@
 """What every benchmark runner shares: the job, the data order, timing records.
 
 The job is dist_trainer's default one (byte-level GPT, 4 layers x 128 wide,
-block 64, on ``dist_trainer.datasets.char_text``), run as 2 ranks x micro 16 x
+block 64, on ``dist_trainer.data.builtin.char_text``), run as 2 ranks x micro 16 x
 accum 2 = global 64, fp32, AdamW (lr 2e-3, betas 0.9/0.95, weight decay 0.1 on
 matrices and embeddings only), grad clip 1.0 and a constant lr.
 
@@ -64,7 +64,7 @@ def build_model() -> torch.nn.Module:
 
 
 def build_dataset():
-    from dist_trainer.datasets import char_text
+    from dist_trainer.data.builtin import char_text
 
     return char_text(block_size=MODEL["block_size"], split="train")
 

@@ -70,13 +70,13 @@ def real_runs(directory: Path) -> None:
 def data_path(directory: Path) -> None:
     from dist_trainer.config import BatchConfig, Config, validate
     from dist_trainer.data import StepPlan, epoch_batches
-    from dist_trainer.tokens import token_file
+    from dist_trainer.data.tokens import token_file
 
     print("\nPART 2: the data path in one process (rank 0 of 2, micro 8 x accum 4): StepPlan and the first "
           "window's batches\n")
     print("| samples | from step 0 (s) | from step 1e6 (s; 1e6 samples: its last step, 15624) | RSS added (MB) |")
     print("|---|---|---|---|")
-    cfg = Config(model={"_target_": "dist_trainer.models.GPT"}, data={"_target_": "dist_trainer.tokens.token_file"},
+    cfg = Config(model={"_target_": "dist_trainer.models.GPT"}, data={"_target_": "dist_trainer.data.tokens.token_file"},
                  batch=BatchConfig(micro_batch_size=8, global_batch_size=64))
     plan = validate(cfg, 2)
     for samples in SIZES:

@@ -79,7 +79,7 @@ def run_config(env, spec: dict, tokens: Path, precision: str, compile_model: boo
 
     cuda = env.device.type == "cuda"
     cfg = Config(model={"_target_": "dist_trainer.models.GPT", **spec["model"]},
-                 data={"_target_": "dist_trainer.tokens.token_file", "path": str(tokens), "dtype": "uint16",
+                 data={"_target_": "dist_trainer.data.tokens.token_file", "path": str(tokens), "dtype": "uint16",
                        "block_size": spec["model"]["block_size"], "vocab_size": spec["model"]["vocab_size"]},
                  batch=BatchConfig(micro_batch_size=spec["micro"], accum_steps=1),
                  precision=PrecisionConfig(name=precision), optim=OptimConfig(lr=6e-4, grad_clip=1.0),

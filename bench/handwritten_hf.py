@@ -28,7 +28,7 @@ def main() -> None:
     launched = time.time()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    from dist_trainer.hf.models import hf_model
+    from dist_trainer.models.hf import hf_model
 
     torch.manual_seed(SEED)  # as dist_trainer seeds before it builds the model
     model = hf_model("causal_lm", "gpt2", dict(HF_CONFIG), block_size=MODEL["block_size"]).model

@@ -61,7 +61,7 @@ def worker(precision: str, micro: int, accum: int, steps: int) -> None:
     torch.set_num_threads(1)
     env = distributed.init("cpu")  # not under torchrun: a process group of one
     cfg = Config(model={"_target_": "dist_trainer.models.GPT", **MODEL},
-                 data={"_target_": "dist_trainer.datasets.char_text", "block_size": MODEL["block_size"]},
+                 data={"_target_": "dist_trainer.data.builtin.char_text", "block_size": MODEL["block_size"]},
                  batch=BatchConfig(micro_batch_size=micro, accum_steps=accum),
                  precision=PrecisionConfig(name=precision), optim=OptimConfig(lr=2e-3, grad_clip=1.0),
                  trainer=TrainerConfig(max_steps=steps))

@@ -6,7 +6,7 @@
 The same documents both ways: 100,000 of one to three consecutive paragraphs
 of CPython's reference text (``pydoc_data.topics``, 466 KB), drawn with a
 fixed seed, in a jsonl file; a byte-level BPE of ``--vocab-size`` trained on
-that text by ``dist_trainer.hf.tokenizer.train_bpe`` (what ``python -m
+that text by ``dist_trainer.data.tokenizer.train_bpe`` (what ``python -m
 dist_trainer.tokenizer`` trains). Each measurement runs in a fresh process
 (so that none inherits another's heap), alternated over rounds:
 
@@ -41,9 +41,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from dist_trainer.datasets import reference_text_bytes  # noqa: E402
-from dist_trainer.hf.tokenizer import train_bpe  # noqa: E402
-from dist_trainer.prepare import prepare  # noqa: E402
+from dist_trainer.data.builtin import reference_text_bytes  # noqa: E402
+from dist_trainer.data.prepare import prepare  # noqa: E402
+from dist_trainer.data.tokenizer import train_bpe  # noqa: E402
 
 
 def corpus(root: Path, docs: int, vocab_size: int) -> None:

@@ -130,7 +130,7 @@ def regression_config(micro: int, accum: int | None = None, glob: int | None = N
                       precision: str = "fp32", n: int = 96, **optim: Any) -> Config:
     return Config(
         model={"_target_": "helpers.RegressionMLP", "in_dim": 4, "hidden": 16},
-        data={"_target_": "dist_trainer.datasets.regression", "n": n, "in_dim": 4, "shuffle": True},
+        data={"_target_": "dist_trainer.data.builtin.regression", "n": n, "in_dim": 4, "shuffle": True},
         batch=BatchConfig(micro_batch_size=micro, accum_steps=accum, global_batch_size=glob),
         precision=PrecisionConfig(name=precision),
         optim=OptimConfig(**{"name": "adamw", "lr": 1e-2, "weight_decay": 0.1, "warmup_steps": 2,
@@ -224,7 +224,7 @@ class SlowOnOneRank(torch.utils.data.Dataset):
 
     def __init__(self, slow_rank: int, sleep_s: float, block_after: int, blocked_file: str,
                  split: str = "train", **kwargs: Any):
-        from dist_trainer.datasets import char_text
+        from dist_trainer.data.builtin import char_text
 
         self.base = char_text(split=split, **kwargs)
         self.slow = split == "train" and int(os.environ.get("RANK", "0")) == slow_rank
@@ -247,7 +247,7 @@ class SlowOnOneRank(torch.utils.data.Dataset):
 def fails_on_rank(rank: int, **kwargs: Any):
     """char_text, except on ``rank``, whose data is missing: an error one rank alone meets."""
     from dist_trainer.config import ConfigError
-    from dist_trainer.datasets import char_text
+    from dist_trainer.data.builtin import char_text
 
     if int(os.environ.get("RANK", "0")) == rank:
         raise ConfigError(f"data.path=/nowhere/shard{rank}.bin: no such file on rank {rank}")

@@ -37,7 +37,7 @@ from torch.utils.data import Subset, default_collate
 from dist_trainer import distributed
 from dist_trainer.config import BatchConfig, Config, DistConfig, OptimConfig, PrecisionConfig, TrainerConfig, validate
 from dist_trainer.data import StepPlan, epoch_batches
-from dist_trainer.datasets import char_text, regression
+from dist_trainer.data.builtin import char_text, regression
 from dist_trainer.models import GPT, BranchyMLP
 from dist_trainer.optim import lr_at, set_lr
 from dist_trainer.run import build, train
@@ -129,7 +129,7 @@ BRANCH_N, BRANCH_STEPS = 96, 3
 def branchy_config(micro: int, branch_every: int) -> Config:
     return Config(
         model={"_target_": "dist_trainer.models.BranchyMLP", "in_dim": 4, "hidden": 8},
-        data={"_target_": "dist_trainer.datasets.regression", "n": BRANCH_N, "in_dim": 4,
+        data={"_target_": "dist_trainer.data.builtin.regression", "n": BRANCH_N, "in_dim": 4,
               "branch_every": branch_every, "shuffle": False},
         batch=BatchConfig(micro_batch_size=micro, global_batch_size=GLOBAL),
         precision=PrecisionConfig(name="fp32"),

@@ -117,11 +117,11 @@ def test_custom_model_and_data_groups_take_only_the_users_arguments(tmp_path):
     # model=custom / data=custom start from an empty node: the GPT's and char_text's
     # arguments are not passed on to the user's classes (which would not accept them).
     proc = run_module(["model=custom", "model._target_=helpers.RegressionMLP", "+model.in_dim=4", "+model.hidden=8",
-                       "data=custom", "data._target_=dist_trainer.datasets.regression", "+data.n=48",
+                       "data=custom", "data._target_=dist_trainer.data.builtin.regression", "+data.n=48",
                        "batch.micro_batch_size=8", "batch.global_batch_size=16", "trainer.max_steps=2",
                        f"hydra.run.dir={tmp_path}/run"], cwd=REPO / "tests", timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "model helpers.RegressionMLP: 49 parameters | data dist_trainer.datasets.regression: 48 samples" in proc.stdout
+    assert "model helpers.RegressionMLP: 49 parameters | data dist_trainer.data.builtin.regression: 48 samples" in proc.stdout
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["samples"] for r in records] == [16, 32]
     assert not any("tokens_per_s" in r for r in records)  # a regression model's items are samples

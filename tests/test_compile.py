@@ -34,7 +34,7 @@ from dist_trainer.compiling import compiled_frames
 from dist_trainer.config import (BatchConfig, Config, DistConfig, OptimConfig, PrecisionConfig, TrainerConfig,
                                  validate)
 from dist_trainer.data import epoch_batches
-from dist_trainer.datasets import char_text
+from dist_trainer.data.builtin import char_text
 from dist_trainer.run import build, train
 from helpers import assert_all_close_scaled, run_ranks
 

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from dist_trainer.config import ConfigError
-from dist_trainer.hf.chat import ChatTemplate, Conversations, PackedConversations, hf_chat, pack
-from dist_trainer.hf.models import hf_model
-from dist_trainer.hf.tokenizer import DEFAULT_CHAT_TEMPLATE, load_tokenizer, train_bpe
+from dist_trainer.data.hf_chat import ChatTemplate, Conversations, PackedConversations, hf_chat, pack
+from dist_trainer.data.tokenizer import DEFAULT_CHAT_TEMPLATE, load_tokenizer, train_bpe
+from dist_trainer.models.hf import hf_model
 from helpers import SCALE_TOL, assert_close_scaled, run_ranks
 from test_hf_models import LLAMA, STEPS, _assert_close, _steps, config
 
@@ -49,7 +49,7 @@ def write_jsonl(path: Path, records: list) -> Path:
 
 
 def chat_data(files: list, cache: Path, **kw) -> dict:
-    return {"_target_": "dist_trainer.hf.chat.hf_chat", "files": [str(f) for f in files], "tokenizer": "bytes",
+    return {"_target_": "dist_trainer.data.hf_chat.hf_chat", "files": [str(f) for f in files], "tokenizer": "bytes",
             "block_size": 256, "cache_dir": str(cache), "shuffle": True, **kw}
 
 

@@ -37,7 +37,7 @@ from dist_trainer import distributed  # noqa: E402
 from dist_trainer.config import (BatchConfig, Config, ConfigError, DistConfig, OptimConfig,  # noqa: E402
                                  PrecisionConfig, TrainerConfig, validate)
 from dist_trainer.data import epoch_batches  # noqa: E402
-from dist_trainer.hf.models import hf_model  # noqa: E402
+from dist_trainer.models.hf import hf_model  # noqa: E402
 from dist_trainer.run import build, train  # noqa: E402
 from helpers import REPO, SAME_OPS_TOL, assert_all_close_scaled, assert_close_scaled, run_ranks  # noqa: E402
 
@@ -52,7 +52,7 @@ BERT = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "in
 
 def corpus(path: Path) -> Path:
     """Real English text (CPython's bundled reference), one paragraph per document."""
-    from dist_trainer.datasets import reference_text_bytes
+    from dist_trainer.data.builtin import reference_text_bytes
 
     path.write_bytes(reference_text_bytes()[:120_000])
     return path
@@ -69,7 +69,7 @@ def masked_model(tokenizer: str = "bytes") -> dict:
 
 
 def hf_text_data(text: Path, cache: Path, task: str, block_size: int = 32) -> dict:
-    return {"_target_": "dist_trainer.hf.text.hf_text", "files": [str(text)], "tokenizer": "bytes",
+    return {"_target_": "dist_trainer.data.hf_text.hf_text", "files": [str(text)], "tokenizer": "bytes",
             "block_size": block_size, "task": task, "seed": 0, "cache_dir": str(cache), "shuffle": True}
 
 
@@ -88,7 +88,7 @@ def config(model: dict, data: dict, micro: int, strategy: str = "ddp", steps: in
 
 def split_jobs(text: Path, cache: Path) -> dict:
     """name -> (config for micro m and a strategy): variable-length causal samples, and masked LM samples."""
-    varlen = {"_target_": "dist_trainer.datasets.char_text", "block_size": 24, "min_len": 1, "shuffle": True}
+    varlen = {"_target_": "dist_trainer.data.builtin.char_text", "block_size": 24, "min_len": 1, "shuffle": True}
     return {
         "gpt2": lambda micro, strategy: config(causal_model(), varlen, micro, strategy),
         "bert": lambda micro, strategy: config(masked_model(), hf_text_data(text, cache, "masked_lm"), micro,

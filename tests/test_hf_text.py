@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from dist_trainer.config import ConfigError
-from dist_trainer.hf import text as hf_text_module
-from dist_trainer.hf.text import _tokenize, build_cache, cache_key, cache_root, hf_text, resolve_files
-from dist_trainer.hf.tokenizer import BytesTokenizer, TextTokenizer, load_tokenizer
-from dist_trainer.prepare import held_out
+from dist_trainer.data import hf_text as hf_text_module
+from dist_trainer.data.hf_text import _tokenize, build_cache, cache_key, cache_root, hf_text, resolve_files
+from dist_trainer.data.prepare import held_out
+from dist_trainer.data.tokenizer import BytesTokenizer, TextTokenizer, load_tokenizer
 from helpers import run_ranks
 
 EOS = 256  # the bytes tokenizer's end-of-text id
@@ -100,8 +100,8 @@ def test_a_long_document_is_cut_only_where_the_ids_stay_those_of_the_whole(tmp_p
     """466 KB of text as one document: tokenized in pieces, in parallel, with the ids it has whole."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    from dist_trainer.datasets import reference_text_bytes
-    from dist_trainer.hf.tokenizer import _cuts, train_bpe
+    from dist_trainer.data.builtin import reference_text_bytes
+    from dist_trainer.data.tokenizer import _cuts, train_bpe
 
     text = reference_text_bytes().decode()
     cuts = _cuts(text)
@@ -129,7 +129,7 @@ def test_a_long_document_is_cut_only_where_the_ids_stay_those_of_the_whole(tmp_p
 def test_tokenizer_cli_trains_a_bpe_that_auto_tokenizer_loads_alike(tmp_path, capsys):
     from transformers import AutoTokenizer
 
-    from dist_trainer.tokenizer import main
+    from dist_trainer.data.train_tokenizer import main
 
     corpus = write(tmp_path / "corpus.txt", paragraphs(300))
     main(["--vocab-size", "512", "--out", str(tmp_path / "bpe"), str(corpus)])
@@ -160,7 +160,7 @@ def test_tokenizer_cli_trains_a_bpe_that_auto_tokenizer_loads_alike(tmp_path, ca
     (["--vocab-size", "258", "corpus.txt"], "--vocab-size 258: must be at least 259"),
 ])
 def test_tokenizer_cli_bad_input_exits_2_with_an_error(tmp_path, capsys, monkeypatch, argv, message):
-    from dist_trainer.tokenizer import main
+    from dist_trainer.data.train_tokenizer import main
 
     monkeypatch.chdir(tmp_path)
     write(tmp_path / "corpus.txt", paragraphs(5))

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from dist_trainer import distributed
 from dist_trainer.config import ConfigError, validate
 from dist_trainer.data import epoch_batches
-from dist_trainer.hf.models import hf_model
+from dist_trainer.models.hf import hf_model
 from dist_trainer.run import build
 from helpers import assert_close_scaled, run_ranks
 from test_checkpoint import metrics, run

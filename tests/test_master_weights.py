@@ -21,7 +21,7 @@ def _gpt_config(precision: str, steps: int, micro: int = 4, glob: int = 32):
                             schedule="constant", grad_clip=1.0)
     cfg.model = {"_target_": "dist_trainer.models.GPT", "vocab_size": 256, "block_size": 32,
                  "n_layer": 1, "n_head": 2, "n_embd": 32}
-    cfg.data = {"_target_": "dist_trainer.datasets.char_text", "block_size": 32, "min_len": 4}
+    cfg.data = {"_target_": "dist_trainer.data.builtin.char_text", "block_size": 32, "min_len": 4}
     return cfg
 
 
@@ -121,7 +121,7 @@ def _bn_config(micro: int, steps: int = 3):
     cfg = regression_config(micro=micro, accum=1, steps=steps, name="sgd", lr=0.05, weight_decay=0.0,
                             grad_clip=None)
     cfg.model = {"_target_": "dist_trainer.models.DigitsConvNet", "width": 8}
-    cfg.data = {"_target_": "dist_trainer.datasets.digits", "split": "train"}
+    cfg.data = {"_target_": "dist_trainer.data.builtin.digits", "split": "train"}
     cfg.dist.sync_batchnorm = True
     return cfg
 

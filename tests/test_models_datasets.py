@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, default_collate
 
-from dist_trainer.datasets import IGNORE_INDEX, char_text, digits, reference_text_bytes, regression
+from dist_trainer.data.builtin import IGNORE_INDEX, char_text, digits, reference_text_bytes, regression
 from dist_trainer.models import GPT, BranchyMLP, DigitsConvNet
 from helpers import assert_close_scaled
 

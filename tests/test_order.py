@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from dist_trainer.config import validate
-from dist_trainer.data import SampleOrder, StepPlan, _MicroBatchSampler, hash_key
+from dist_trainer.data.loader import SampleOrder, StepPlan, _MicroBatchSampler, hash_key
 from helpers import regression_config
 
 

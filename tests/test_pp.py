@@ -414,7 +414,7 @@ def test_reshard_auto_in_plan_mode_text_and_plan_json(tmp_path):
 
 
 def test_a_model_without_stages_is_a_config_error_in_plan_mode_as_in_training():
-    from dist_trainer.hf.models import hf_model
+    from dist_trainer.models.hf import hf_model
     from dist_trainer.plan import pp_stage_groups
     from test_hf_models import GPT2
 

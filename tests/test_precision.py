@@ -465,7 +465,7 @@ def test_lr_scaling_for_4x_global_batch(scaling, factor):
 
 def _config(**batch) -> Config:
     return Config(model={"_target_": "dist_trainer.models.GPT"},
-                  data={"_target_": "dist_trainer.datasets.char_text"},
+                  data={"_target_": "dist_trainer.data.builtin.char_text"},
                   batch=BatchConfig(**batch),
                   optim=OptimConfig(lr=1e-3, lr_scaling="linear", base_batch_size=64))
 
@@ -545,7 +545,7 @@ def _one_rank_trainer(precision: str, model: str = "helpers.RegressionMLP"):
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     cfg = Config(
         model={"_target_": model, "in_dim": 4, "hidden": 16},
-        data={"_target_": "dist_trainer.datasets.regression", "n": 40, "in_dim": 4, "shuffle": False},
+        data={"_target_": "dist_trainer.data.builtin.regression", "n": 40, "in_dim": 4, "shuffle": False},
         batch=BatchConfig(micro_batch_size=8, accum_steps=4),
         precision=PrecisionConfig(name=precision, loss_scale=LossScaleConfig(init_scale=2.0**10)),
         optim=OptimConfig(name="sgd", lr=1.0, momentum=0.0, weight_decay=0.0, grad_clip=None),

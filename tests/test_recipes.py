@@ -47,7 +47,7 @@ def plans(tmp_path_factory):
     root = tmp_path_factory.mktemp("recipes")
     with open(root / "train.bin", "wb") as f:  # 100 M uint16 tokens, sparse: no disk used
         f.truncate(200_000_000)
-    from dist_trainer.datasets import reference_text_bytes
+    from dist_trainer.data.builtin import reference_text_bytes
 
     (root / "text.txt").write_bytes(reference_text_bytes())
     tok = subprocess.run([sys.executable, "-m", "dist_trainer.tokenizer", "--vocab-size", "4000", "--out",

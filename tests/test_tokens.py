@@ -30,8 +30,8 @@ import torch
 
 from dist_trainer.config import ConfigError, validate
 from dist_trainer.data import StepPlan, epoch_batches
-from dist_trainer.prepare import BYTES_EOT, PrepareError, held_out, prepare
-from dist_trainer.tokens import TokenFile, token_file
+from dist_trainer.data.prepare import BYTES_EOT, PrepareError, held_out, prepare
+from dist_trainer.data.tokens import TokenFile, token_file
 from helpers import REPO, regression_config, run_module
 
 DOCS = [f"document {i}: " + "lorem ipsum dolor sit amet, " * (i % 7 + 1) + "é\n" for i in range(60)]
@@ -74,8 +74,8 @@ def test_prepare_writes_the_documents_bytes_and_a_complete_meta(corpus, tmp_path
 def test_prepare_with_a_bpe_writes_the_library_ids_and_what_hf_text_writes(tmp_path):
     from tokenizers import Tokenizer
 
-    from dist_trainer.hf.text import hf_text
-    from dist_trainer.hf.tokenizer import train_bpe
+    from dist_trainer.data.hf_text import hf_text
+    from dist_trainer.data.tokenizer import train_bpe
 
     train_bpe([DOCS], 300).save(tmp_path / "bpe")
     saved = Tokenizer.from_file(str(tmp_path / "bpe" / "tokenizer.json"))

@@ -34,7 +34,7 @@ import pytest
 import torch
 
 from dist_trainer.config import ConfigError, validate
-from dist_trainer.hf.chat import hf_chat
+from dist_trainer.data.hf_chat import hf_chat
 from dist_trainer.plan import plan_numbers
 from helpers import SAME_OPS_TOL, assert_all_close_scaled
 from test_accumulation import GLOBAL, in_one_process, launch_clean, mlp_config

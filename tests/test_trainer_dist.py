@@ -222,7 +222,7 @@ def test_partial_step_scaled_weighs_a_short_last_step_by_its_samples():
 
 def split_regression(split: str = "train", n: int = 32, n_val: int = 1, in_dim: int = 4):
     """The regression data with a held-out split of ``n_val`` samples (drawn from another seed)."""
-    from dist_trainer.datasets import regression
+    from dist_trainer.data.builtin import regression
 
     return regression(n=n, in_dim=in_dim) if split == "train" else regression(n=n_val, in_dim=in_dim, seed=1)
 
@@ -371,7 +371,7 @@ def test_a_step_reads_one_value_to_the_host(model, strategy, precision):
     if model == "gpt":
         cfg.model = {"_target_": "dist_trainer.models.GPT", "vocab_size": 256, "block_size": 16, "n_layer": 1,
                      "n_head": 2, "n_embd": 16}
-        cfg.data = {"_target_": "dist_trainer.datasets.char_text", "block_size": 16, "shuffle": True}
+        cfg.data = {"_target_": "dist_trainer.data.builtin.char_text", "block_size": 16, "shuffle": True}
     cfg.dist.strategy = strategy
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

@@ -25,10 +25,10 @@ from typing import Dict, Optional, Sequence
 import torch
 
 from ..config import ConfigError
-from .chat import ChatTemplate, Columns, hf_chat, read_conversations
-from .models import hf_model
-from .text import resolve_files
-from .tokenizer import load_tokenizer
+from ..data.hf_chat import ChatTemplate, Columns, hf_chat, read_conversations
+from ..data.hf_text import resolve_files
+from ..data.tokenizer import load_tokenizer
+from ..models.hf import hf_model
 
 STOP_NAMES = ("<|im_end|>", "<|eot_id|>", "<|eot|>", "<end_of_turn>")  # ends of turn of common templates
 BATCH = 16

@@ -59,7 +59,7 @@ from .state import WholeTensors, local_tensor, named_optimizer_state, parameter_
 from .tp import apply_tp, tp_sharded
 
 P2P_KEYS = ("p2p_sends", "p2p_send_bytes", "p2p_recvs", "p2p_recv_bytes")
-# What a model declares to be cut into stages (models.GPT; hf.models.HFModel for decoders laid out as Llama's).
+# What a model declares to be cut into stages (models.GPT; models.hf.HFModel for decoders laid out as Llama's).
 STAGE_API = ("pp_first", "pp_last", "stage_dims", "stage_targets", "stage_forward", "loss_terms")
 SIDE_INPUTS = ("attention_mask", "position_ids")  # per micro-batch, read by every stage from its own batch
 IGNORE_INDEX = -100

@@ -33,8 +33,8 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
-from .config import LOADER_KEYS, BatchPlan, Config, ConfigError
-from .signals import stop_signals
+from ..config import LOADER_KEYS, BatchPlan, Config, ConfigError
+from ..signals import stop_signals
 
 # One optimizer step on one rank: its micro-batches, each a list of dataset
 # indices; an empty list is a placeholder that contributes nothing.

@@ -1,0 +1,373 @@
+"""``model=hf_causal_lm`` and ``model=hf_masked_lm``: transformers models, trained exactly.
+
+The framework calls every model as ``model(batch)`` and reads back a summed
+loss and its item count. A transformers model takes keyword arguments and
+computes its own loss, and some of those losses are traps: a mean that ignores
+``num_items_in_batch`` weights every micro-batch alike, whatever its number of
+tokens, so the accumulated update would not be the big batch's. ``HFModel``
+holds the transformers model as ``.model``, calls it with the batch's input
+tensors, and computes the loss here from the logits: the cross-entropy summed
+in FP32 over the tokens that count (shifted labels for a causal LM, the masked
+positions for a masked LM), with the number of those tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ConfigError
+
+IGNORE_INDEX = -100
+TASKS = {"causal_lm": "AutoModelForCausalLM", "masked_lm": "AutoModelForMaskedLM"}
+# The batch keys passed on to the model; labels are ours (the loss is computed here).
+MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
+
+
+class HFModel(nn.Module):
+    """A transformers ``*ForCausalLM`` / ``*ForMaskedLM`` as the framework's model.
+
+    ``forward(batch)`` returns ``{"loss_sum", "num_items"}``. Labels come from
+    the batch: ``targets`` (already the next tokens, as ``data=tokens`` and
+    ``data=hf_text`` give them: no shift), else ``labels`` (Hugging Face's
+    convention: a causal LM's are shifted here, a masked LM's are the masked
+    positions), else, for a causal LM, ``input_ids`` themselves (shifted, with
+    padding from ``attention_mask`` ignored).
+    """
+
+    def __init__(self, model: nn.Module, task: str, tokenizer: Optional[str] = None,
+                 block_size: Optional[int] = None, chat_template: Optional[str] = None):
+        super().__init__()
+        self.model = model
+        self.task = task
+        self.tokenizer_spec = tokenizer  # written beside the weights on export
+        self.chat_template = chat_template  # data=hf_chat's choice: the exported tokenizer carries the template
+        self.block_size = block_size
+        self.name = f"{type(model).__name__} ({model.config.model_type}, transformers)"  # for the start-up log
+        self.items_are_tokens = task == "causal_lm"  # a masked LM's items are its masked tokens only
+        # The repeated blocks: those of the declared classes that occur more than once. A class
+        # declared once (BERT's embeddings) holds weights tied to the output head, which must stay
+        # in the same FSDP unit as the head.
+        declared = [str(name) for name in (getattr(model, "_no_split_modules", None) or [])]
+        counts = {name: sum(type(m).__name__ == name for m in model.modules()) for name in declared}
+        self._no_split_modules = [name for name in declared if counts[name] > 1]
+        self._call_kwargs = {"use_cache": False} if task == "causal_lm" else {}
+        self._stage_parts = _decoder_parts(model) if task == "causal_lm" else None
+
+    # -- pipeline stages (dist.pp.size > 1): decoders laid out as Llama's (llama, qwen2, mistral, ...) -----------
+    # The base model's embed_tokens go with the first stage, its norm and the lm_head with the last; its
+    # rotary embedding (buffers only) stays on every rank. A model of another layout does not declare them.
+
+    @property
+    def pp_first(self) -> tuple:
+        if self._stage_parts is None:
+            raise AttributeError("pp_first: not a decoder laid out as Llama's")
+        return self._stage_parts["first"]
+
+    @property
+    def pp_last(self) -> tuple:
+        if self._stage_parts is None:
+            raise AttributeError("pp_last: not a decoder laid out as Llama's")
+        return self._stage_parts["last"]
+
+    def stage_dims(self) -> tuple:
+        """The stream's width and the logits' width (the vocabulary)."""
+        return self.model.config.hidden_size, self.model.config.vocab_size
+
+    def stage_targets(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The next token each position predicts (-100: none), aligned with the positions, as the last stage's
+        loss takes them: ``targets`` as they are, else the labels shifted by one."""
+        if "targets" in batch:
+            return batch["targets"]
+        labels = self._labels(batch)
+        return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
+
+    def stage_forward(self, x: torch.Tensor, blocks: list, first: bool, last: bool,
+                      side: Optional[Mapping[str, torch.Tensor]] = None) -> torch.Tensor:
+        """One stage: token ids (``first``) or the stream in; the stream or (``last``) logits out. ``side``: the
+        micro-batch's ``attention_mask`` and ``position_ids`` (every stage's rank reads its own copy of the
+        batch), so that padded and packed sequences mask and rotate in every stage as in the whole model."""
+        base = getattr(self.model, self.model.base_model_prefix)
+        side = side or {}
+        if first:
+            x = base.embed_tokens(x)
+        positions = side.get("position_ids")
+        if positions is None:
+            positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        masks = _stage_masks(base.config, x, side.get("attention_mask"), positions)
+        rotary = base.rotary_emb(x, positions)
+        types = getattr(base.config, "layer_types", None)
+        for block in blocks:
+            index = block.self_attn.layer_idx
+            out = block(x, attention_mask=masks[types[index] if types else "full_attention"],
+                        position_ids=positions, position_embeddings=rotary, use_cache=False)
+            x = out[0] if isinstance(out, tuple) else out
+        return self.model.lm_head(base.norm(x)) if last else x
+
+    @staticmethod
+    def loss_terms(logits: torch.Tensor, targets: torch.Tensor) -> Dict[str, torch.Tensor]:
+        return token_loss(logits, targets)
+
+    def forward(self, batch: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        inputs = {key: batch[key] for key in MODEL_INPUTS if key in batch}
+        logits = self.model(**inputs, **self._call_kwargs).logits
+        labels = self._labels(batch)
+        if self.task == "causal_lm" and "targets" not in batch:
+            logits, labels = logits[:, :-1], labels[:, 1:]  # position t predicts token t + 1
+        return token_loss(logits, labels)
+
+    def _labels(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        if "targets" in batch:
+            return batch["targets"]
+        if "labels" in batch:
+            return batch["labels"]
+        if self.task == "masked_lm":
+            raise ValueError("model=hf_masked_lm needs 'labels' in the batch (data=hf_text makes them)")
+        labels = batch["input_ids"]
+        if "attention_mask" in batch:
+            labels = labels.masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
+        return labels
+
+    @property
+    def tp_plan(self) -> Optional[Dict[str, str]]:
+        """The configuration's ``base_model_tp_plan`` (under this wrapper's names), the head column-wise,
+        the norms (classes named ``*Norm``) ``sequence_parallel``.
+
+        A head tied to the input embedding (one weight) cuts the embedding by vocabulary rows
+        too. Styles Hugging Face spells out further (``colwise_rep``, ``rowwise_rep``) are the two
+        cuts; a plan of a peft model (LoRA adapters) is not known: None.
+        """
+        base = dict(getattr(self.model.config, "base_model_tp_plan", None) or {})
+        if not base or not hasattr(self.model, "base_model_prefix") or hasattr(self.model, "peft_config"):
+            return None
+        names = {id(m): name for name, m in self.model.named_modules()}
+        plan = {f"model.{self.model.base_model_prefix}.{pattern}": style.split("_")[0]
+                for pattern, style in base.items()}
+        base_model = getattr(self.model, self.model.base_model_prefix)
+        for name, module in base_model.named_modules():  # the norms: on sequence shards under sequence parallelism
+            if name and type(module).__name__.endswith("Norm"):
+                pattern = ".".join("*" if part.isdigit() else part for part in name.split("."))
+                plan[f"model.{self.model.base_model_prefix}.{pattern}"] = "sequence_parallel"
+        head, embedding = self.model.get_output_embeddings(), self.model.get_input_embeddings()
+        if head is not None and id(head) in names:
+            plan[f"model.{names[id(head)]}"] = "colwise"
+            if embedding is not None and embedding.weight is head.weight:
+                plan[f"model.{names[id(embedding)]}"] = "rowwise"
+        return plan
+
+    def flops_per_item(self) -> float:
+        """Training FLOPs per token (6 per weight, and attention's 12 * layers * width * context)."""
+        cfg = self.model.config
+        weights = self.model.num_parameters(exclude_embeddings=True)
+        layers, width = getattr(cfg, "num_hidden_layers", 0), getattr(cfg, "hidden_size", 0)
+        return 6.0 * weights + 12.0 * layers * width * (self.block_size or 0)
+
+
+def _decoder_parts(model: nn.Module) -> Optional[Dict[str, tuple]]:
+    """The first and last stage's modules of a decoder laid out as Llama's (embed_tokens, layers whose attention
+    knows its layer index, norm, rotary_emb; lm_head), under HFModel's names; None for another layout."""
+    prefix = getattr(model, "base_model_prefix", None)
+    base = getattr(model, prefix, None) if prefix else None
+    if base is None or hasattr(model, "peft_config") or not hasattr(model, "lm_head"):
+        return None
+    if not all(hasattr(base, part) for part in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return None
+    if not all(hasattr(getattr(layer, "self_attn", None), "layer_idx") for layer in base.layers):
+        return None
+    return {"first": (f"model.{prefix}.embed_tokens",), "last": (f"model.{prefix}.norm", "model.lm_head")}
+
+
+def _stage_masks(config: Any, stream: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                 positions: torch.Tensor) -> Dict[str, Any]:
+    """The attention masks the whole model builds for its layers (``full_attention``, and ``sliding_attention``
+    where the configuration has such layers), from the stage's stream, mask and positions."""
+    import inspect
+
+    from transformers import masking_utils
+
+    def build(fn: Any) -> Any:
+        params = inspect.signature(fn).parameters
+        kwargs = {"config": config, "attention_mask": attention_mask, "position_ids": positions,
+                  ("inputs_embeds" if "inputs_embeds" in params else "input_embeds"): stream}
+        for name in ("cache", "past_key_values"):  # the cache's name differs between transformers releases
+            if name in params:
+                kwargs[name] = None
+        if "cache_position" in params:
+            kwargs["cache_position"] = torch.arange(stream.shape[1], device=stream.device)
+        return fn(**kwargs)
+
+    masks = {"full_attention": build(masking_utils.create_causal_mask)}
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        masks["sliding_attention"] = build(masking_utils.create_sliding_window_causal_mask)
+    return masks
+
+
+def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """Cross-entropy summed in FP32 over the labels that are not -100, and their number."""
+    labels = labels.reshape(-1)
+    loss_sum = F.cross_entropy(logits.reshape(labels.numel(), -1).float(), labels, ignore_index=IGNORE_INDEX,
+                               reduction="sum")
+    return {"loss_sum": loss_sum, "num_items": (labels != IGNORE_INDEX).sum()}
+
+
+def hf_model(task: str = "causal_lm", model_type: Optional[str] = None, config: Optional[Dict[str, Any]] = None,
+             pretrained: Optional[str] = None, tokenizer: Optional[str] = None, block_size: Optional[int] = None,
+             attn_implementation: Optional[str] = "sdpa", chat_template: Optional[str] = None,
+             lora: Optional[Dict[str, Any]] = None, load_weights: bool = True) -> HFModel:
+    """Build the model: from ``model_type`` and ``config`` (random weights), or from a local ``pretrained`` dir.
+
+    ``model.config.vocab_size`` (and the eos and pad ids) follow ``tokenizer``
+    (the data's, with the tokens ``chat_template`` adds for data=hf_chat)
+    unless ``config`` sets them; ``block_size`` (the data's) must fit the
+    model's positions.
+    """
+    if task not in TASKS:
+        raise ConfigError(f"model.task={task!r}: choose one of {sorted(TASKS)}")
+    try:
+        import transformers
+    except ImportError as err:
+        raise ConfigError("model=hf_causal_lm / hf_masked_lm need transformers: pip install 'dist_trainer[hf]'") from err
+    overrides = dict(config or {})
+    overrides.update(_from_tokenizer(tokenizer, overrides, chat_template))
+    auto = getattr(transformers, TASKS[task])
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    added: list = []  # token ids the tokenizer has and the pretrained weights had not (a template's markers)
+    if pretrained:
+        if pretrained.startswith(("/", "./", "../", "~")) and not Path(pretrained).expanduser().exists():
+            raise ConfigError(f"model.pretrained={pretrained}: no such directory")
+        # The saved weights fix the vocabulary: a tokenizer with more ids (a chat template's markers)
+        # gets rows added after loading, not a configuration that does not fit the weights.
+        vocab = None if "vocab_size" in (config or {}) else overrides.pop("vocab_size", None)
+        where = str(Path(pretrained).expanduser()) if pretrained.startswith("~") else pretrained
+        try:
+            if load_weights:
+                model = auto.from_pretrained(where, dtype=torch.float32, **extra, **overrides)
+            else:  # the configuration only, with the tokenizer's vocabulary: the rows it adds get the mean on load
+                config = transformers.AutoConfig.from_pretrained(where, **overrides)
+                config.vocab_size = max(config.vocab_size, vocab or 0)
+                model = auto.from_config(config, dtype=torch.float32, **extra)
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"model.pretrained={pretrained}: cannot be loaded ({err})") from err
+        if load_weights and vocab is not None and vocab > model.config.vocab_size:
+            added = list(range(model.config.vocab_size, vocab))
+            model.resize_token_embeddings(vocab, mean_resizing=True)  # new rows: the mean of the others
+    else:
+        if not model_type:
+            raise ConfigError("model.model_type is not set: name a transformers model type (e.g. gpt2, llama, "
+                              "bert), or set model.pretrained to a local save_pretrained directory")
+        model_config = _config(transformers, model_type, overrides)
+        try:
+            model = auto.from_config(model_config, dtype=torch.float32, **extra)
+        except ValueError as err:
+            raise ConfigError(f"model.model_type={model_type}: transformers has no {TASKS[task]} for it "
+                              f"({err})") from err
+    _check_positions(model.config, block_size)
+    if lora and lora.get("r"):
+        model = with_lora(model, task, **lora, new_tokens=added)
+    return HFModel(model, task, tokenizer, block_size, chat_template)
+
+
+def with_lora(model: nn.Module, task: str, r: int, alpha: float = 16, dropout: float = 0.0,
+              target_modules: Optional[Any] = None, modules_to_save: Optional[Any] = None,
+              new_tokens: Sequence[int] = ()) -> nn.Module:
+    """LoRA adapters (peft) on ``model``: its own weights frozen, the adapters the only trained parameters.
+
+    ``target_modules`` None takes peft's default for the model type (the
+    attention projections of llama, gpt2, qwen2, ...). ``modules_to_save``
+    (e.g. ``[lm_head]``) train in full beside the adapters and are saved with
+    them. ``new_tokens``, rows the embeddings got for a tokenizer's added
+    tokens (a chat template's markers), train too (peft's trainable tokens,
+    ``_new_rows``): a frozen new row is one the model cannot learn to read,
+    or, in an untied head, to predict.
+    """
+    if task != "causal_lm":
+        raise ConfigError("model.lora: LoRA adapters are for model=hf_causal_lm")
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise ConfigError(f"model.lora.r={r!r}: the adapters' rank, an integer >= 1 (null or 0: full fine-tuning)")
+    try:
+        import peft
+    except ImportError as err:
+        raise ConfigError("model.lora needs peft: pip install 'dist_trainer[hf]'") from err
+    targets = list(target_modules) if isinstance(target_modules, (list, tuple)) else target_modules
+    saved = list(modules_to_save) if modules_to_save else None
+    config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
+                             modules_to_save=saved, task_type="CAUSAL_LM",
+                             trainable_token_indices=_new_rows(model, saved, new_tokens))
+    try:
+        return peft.get_peft_model(model, config)
+    except ValueError as err:  # no module matches target_modules, or peft knows no default for the type
+        names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise ConfigError(f"model.lora.target_modules={target_modules} (modules_to_save={modules_to_save}): {err}. "
+                          f"The model's linear layers are "
+                          f"named {', '.join(names)}") from err
+
+
+def _new_rows(model: nn.Module, saved: Optional[list], new_tokens: Sequence[int]) -> Optional[Dict[str, list]]:
+    """peft's trainable tokens for the rows a resize added: the input embedding's, and an untied head's.
+
+    A new token's input row is how the model reads it, its head row how the
+    model predicts it (a chat's end of turn): both must train. (A frozen head
+    row stays the mean of the others, so the model could not learn to end a
+    turn.) peft saves the resized layers whole with the adapter, so a base
+    resized to the tokenizer's length gets the trained rows back, whatever
+    values the resize put there. A module trained whole
+    (``modules_to_save``) needs no rows of its own.
+    """
+    if not new_tokens:
+        return None
+    names = {id(m): name for name, m in model.named_modules()}
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    modules = [embedding] if head is None or head.weight is embedding.weight else [embedding, head]  # untied: two
+    rows: Dict[str, list] = {}
+    for module in modules:
+        name = names[id(module)]
+        if saved and name.rsplit(".", 1)[-1] in saved:
+            continue
+        if getattr(module, "bias", None) is not None:  # peft's trainable tokens on a head compute without a bias
+            raise ConfigError(f"model.lora: the tokenizer adds {len(new_tokens)} tokens and the head ({name}) has "
+                              "a bias: add it to model.lora.modules_to_save to train it whole")
+        rows[name] = list(new_tokens)
+    return rows or None
+
+
+def _config(transformers: Any, model_type: str, overrides: Dict[str, Any]) -> Any:
+    mapping = transformers.CONFIG_MAPPING
+    if model_type not in mapping:
+        raise ConfigError(f"model.model_type={model_type}: not a model type transformers knows "
+                          "(e.g. gpt2, llama, bert, mistral, qwen2)")
+    if "vocab_size" in overrides:  # default special ids beyond a smaller vocabulary: none rather than invalid
+        defaults = mapping[model_type]()
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = getattr(defaults, key, None)
+            if key not in overrides and isinstance(value, int) and value >= overrides["vocab_size"]:
+                overrides[key] = None
+    try:
+        return transformers.AutoConfig.for_model(model_type, **overrides)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"model.config: {err}") from err
+
+
+def _from_tokenizer(spec: Optional[str], config: Dict[str, Any], chat_template: Optional[str]) -> Dict[str, Any]:
+    """vocab_size and the special token ids from the data's tokenizer, where model.config leaves them unset."""
+    if not spec:
+        return {}
+    from ..data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(spec, chat_template=chat_template)
+    if "vocab_size" in config and config["vocab_size"] < tok.vocab_size:
+        raise ConfigError(f"model.config.vocab_size={config['vocab_size']} is smaller than the vocabulary of "
+                          f"data.tokenizer={spec} ({tok.vocab_size} ids): raise it, or leave it unset to follow "
+                          "the tokenizer")
+    known = {"vocab_size": tok.vocab_size, "eos_token_id": tok.eos_id, "bos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+    return {key: value for key, value in known.items() if key not in config and value is not None}
+
+
+def _check_positions(config: Any, block_size: Optional[int]) -> None:
+    positions = getattr(config, "max_position_embeddings", None)
+    if block_size and positions and block_size > positions:
+        raise ConfigError(f"data.block_size={block_size} is longer than the model's {positions} positions: "
+                          f"lower data.block_size or raise model.config.max_position_embeddings")
