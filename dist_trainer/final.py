@@ -102,7 +102,7 @@ def _save_state(state: Dict[str, torch.Tensor], tmp: Path, path: Path) -> None:
 
 def _writers(tensors: WholeTensors, module: nn.Module, run_dir: Path, shard_mb: float) -> List[Any]:
     writers: List[Any] = [_StateFile(tensors, run_dir)]
-    if hasattr(module, "tokenizer_spec"):  # dist_trainer.hf.models.HFModel
+    if hasattr(module, "tokenizer_spec"):  # dist_trainer.models.hf.HFModel
         from .hf.export import HFModelWriter
 
         writers.append(HFModelWriter(module, tensors.layout, run_dir / HF_DIR, shard_mb))

@@ -31,6 +31,7 @@ from .health import stragglers, watchdog
 from .health.watchdog import Watchdog
 from .metrics import Outputs, peak_flops, peak_mem_mb
 from .models import construct, pretrained
+from .models.hf import TARGETS as HF_TARGETS
 from .optim import build_optimizer
 from .parallel import build_strategy, check_consistency
 from .plan import plan_numbers, write_plan_json
@@ -39,7 +40,6 @@ from .signals import Preempted, StopRequest
 from .trainer import StepOutcome, Trainer, loss_terms
 
 log = logging.getLogger("dist_trainer")
-HF_MODEL = "dist_trainer.hf.models.hf_model"  # model=hf_causal_lm, hf_masked_lm
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -143,7 +143,7 @@ def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
     sharded = (mesh.strategy == "fsdp" or mesh.tp > 1 or mesh.pp > 1) and cfg.dist.meta_init
     whole = lambda: instantiate(cfg.model, _convert_="all")  # noqa: E731
     make, source = whole, None
-    if sharded and cfg.model.get("pretrained") and cfg.model.get("_target_") == HF_MODEL:  # its slices, on each rank
+    if sharded and cfg.model.get("pretrained") and cfg.model.get("_target_") in HF_TARGETS:  # its slices, each rank
         make = lambda: instantiate(cfg.model, _convert_="all", load_weights=False)  # noqa: E731
         source = pretrained.SafetensorsSource(Path(cfg.model["pretrained"]).expanduser())
     # What building (or loading) the model adds to this rank's memory: on the meta device the shards'

@@ -237,7 +237,9 @@ def export(path: Union[str, Path], out: Path, adapter_out: Optional[Path] = None
     ckpt = _checkpoint_of(checkpoint.location(path))
     shared, shapes, read = checkpoint.model_tensors(ckpt)
     model_cfg = shared.get("model_config") or {}
-    if model_cfg.get("_target_") != "dist_trainer.hf.models.hf_model":
+    from ..models.hf import TARGETS
+
+    if model_cfg.get("_target_") not in TARGETS:
         raise ConfigError(f"model._target_={model_cfg.get('_target_')}: export writes Hugging Face models "
                           "(model=hf_causal_lm or model=hf_masked_lm); use final_model.pt for this one")
     if shared.get("frozen") is not None:

@@ -24,6 +24,8 @@ from ..config import ConfigError
 
 IGNORE_INDEX = -100
 TASKS = {"causal_lm": "AutoModelForCausalLM", "masked_lm": "AutoModelForMaskedLM"}
+# model._target_ of this builder: its path, and the one configurations and checkpoints of earlier releases name.
+TARGETS = ("dist_trainer.models.hf.hf_model", "dist_trainer.hf.models.hf_model")
 # The batch keys passed on to the model; labels are ours (the loss is computed here).
 MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
 
