@@ -96,10 +96,11 @@ class Trace:
             out.setdefault(sid, []).append(name)
         return out
 
-    def replay(self, fill: Callable[[List[str], torch.Tensor], None], skip: Callable[[List[str]], bool] = lambda _: False
-               ) -> int:
+    def replay(self, fill: Callable[[List[str], torch.Tensor], None],
+               skip: Callable[[List[str]], bool] = lambda _: False) -> int:
         """Run the operations on the CPU; call ``fill(names, storage)`` with the storage of each parameter or
-        buffer (flat, whole, final) as soon as no later operation touches it (``views`` shapes it per name). Returns the most bytes held at once.
+        buffer (flat, whole, final) as soon as no later operation touches it (``views`` shapes it per name).
+        Returns the most bytes held at once.
 
         ``skip(names)``: true for tensors another source fills (a pretrained file): their writes are not run.
         The CPU generator ends where a one-process build leaves it.
@@ -367,7 +368,13 @@ class Materialiser:
         source = self.pretrained
         skip = (lambda names: source.key(names) is not None) if source is not None else (lambda _: False)
         with PhasePeak() as phase:  # the host memory the model's shards and their initialisation take
-            self.peak_bytes = materialise(model, self.trace, self.device, skip)
+            try:
+                self.peak_bytes = materialise(model, self.trace, self.device, skip)
+            except NotRecordable as err:  # found only now, with the model already cut: say how to build it whole
+                from ..config import ConfigError
+
+                raise ConfigError(f"the model cannot be materialised shard by shard ({err}): set "
+                                  "dist.meta_init=false to build it whole on every rank") from err
             if source is not None:
                 self.peak_bytes = max(self.peak_bytes, source.load_into(model, self.trace.aliases()))
         self.mb = phase.mb
