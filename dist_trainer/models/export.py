@@ -15,6 +15,7 @@ tensor larger than that gets a file of its own.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from dataclasses import dataclass
@@ -39,10 +40,7 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
-        numel = 1
-        for n in self.shape:
-            numel *= n
-        return numel * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def plan_files(entries: Sequence[Entry], max_shard_bytes: int) -> List[List[Entry]]:

@@ -9,6 +9,7 @@ time (``WholeTensors``), whatever the layout, so no rank ever holds it all.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -80,10 +81,7 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int:
-        numel = 1
-        for n in self.shape:
-            numel *= n
-        return numel * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def parameter_ties(module: nn.Module) -> Dict[str, str]:
