@@ -314,6 +314,11 @@ class MeshShape:
         return (rank % self.stage_ranks) // self.tp
 
     @property
+    def cuts_model(self) -> bool:
+        """Whether the strategy cuts the model over ranks (fsdp, hsdp, tp, pp): no rank needs it whole."""
+        return self.strategy == "fsdp" or self.tp > 1 or self.pp > 1
+
+    @property
     def kind(self) -> str:
         """ddp, fsdp (one shard group of every data-parallel rank) or hsdp (shard groups replicated)."""
         if self.strategy == "ddp":

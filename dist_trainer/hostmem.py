@@ -98,7 +98,6 @@ class PhasePeak:
     def __init__(self) -> None:
         self.mb: float | None = None
         self._before: int | None = None
-        self.peak: int | None = None  # bytes: the kernel's peak resident memory during the phase
 
     def __enter__(self) -> "PhasePeak":
         self._before = _status_bytes("VmRSS")
@@ -112,11 +111,4 @@ class PhasePeak:
     def __exit__(self, *exc: object) -> None:
         peak = _status_bytes("VmHWM")
         if self._before is not None and peak is not None:
-            self.peak = peak
             self.mb = max(0, peak - self._before) / 2**20
-
-    def since(self, earlier: "PhasePeak") -> float | None:
-        """MiB added from the start of ``earlier`` (an adjacent phase before this one) to this phase's end."""
-        if earlier._before is None or earlier.peak is None or self.peak is None:
-            return None
-        return max(0, max(earlier.peak, self.peak) - earlier._before) / 2**20

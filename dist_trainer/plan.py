@@ -273,7 +273,8 @@ def pp_expected(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
                     "step": counts, "state_mb": state / MIB, "inflight": inflight[r],
                     "step_peak_state_mb": (state + held) / MIB,
                     "ckpt_staging_mb": expected_staging_bytes(cfg, trained, 0, S, cut) / MIB,
-                    "held_params": [p for unit in g["units"] for p in unit]})
+                    "load_host_peak_mb": expected_load_bytes(cfg, mesh, model, cut,
+                                                             [p for unit in g["units"] for p in unit]) / MIB})
     return out
 
 
@@ -428,7 +429,7 @@ def expected_load_bytes(cfg: Config, mesh: MeshShape, model: nn.Module, cut: Dic
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}.values()
     whole = sum(t.numel() * 4 for t in tensors)
     source = cfg.model.get("pretrained")
-    if not (mesh.strategy == "fsdp" or mesh.tp > 1 or mesh.pp > 1) or not cfg.dist.meta_init:
+    if not mesh.cuts_model or not cfg.dist.meta_init:
         return 2 * whole
     ids = {id(p) for p in held} if held is not None else None
     params = [p for p in {id(p): p for p in model.parameters()}.values() if ids is None or id(p) in ids]
@@ -456,7 +457,7 @@ def expected_export_bytes(mesh: MeshShape, model: nn.Module) -> int:
     second gather and the reordering of FSDP's strided shard, which DTensor runs one dimension after the
     other: four copies at most. Under ddp nothing (rank 0 writes its own FP32 tensors as they are). An upper
     bound: memory the allocator kept from training serves part of it, so a run measures up to it."""
-    if not (mesh.strategy == "fsdp" or mesh.tp > 1 or mesh.pp > 1):
+    if not mesh.cuts_model:
         return 0
     return 4 * max((t.numel() * 4 for t in [*model.parameters(), *model.buffers()]), default=0)
 
@@ -538,14 +539,12 @@ def _pp_numbers(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
         "parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "state_mb": max(g["state_mb"] for g in groups),
         "step_peak_state_mb": max(g["step_peak_state_mb"] for g in groups),
-        # each stage group's blocks (and the first's embeddings, the last's head): the first group's bound
-        "load_host_peak_mb": max(expected_load_bytes(cfg, mesh, model, local_shapes(model, cfg.dist.tp),
-                                                     g["held_params"]) for g in groups) / MIB,
+        "load_host_peak_mb": max(g["load_host_peak_mb"] for g in groups),
         "export_host_peak_mb": expected_export_bytes(mesh, model) / MIB,
         "ckpt_staging_mb": max(g["ckpt_staging_mb"] for g in groups),
         "norm_activation_mb": None,
         "pp_bubble": pp_bubble(pp.schedule, mesh.pp, pp.stages_per_rank, plan.accum_steps),
-        "pp_stage_groups": [{**{k: v for k, v in g.items() if k != "held_params"}, "first_step": first_step_comm(g["step"]),
+        "pp_stage_groups": [{**g, "first_step": first_step_comm(g["step"]),
                              "resumed_step": resumed_step_comm(g["step"])} for g in groups],
         "step": step, "first_step": first_step_comm(step), "resumed_step": resumed_step_comm(step),
     }

@@ -140,21 +140,21 @@ def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
     precision = Precision(cfg.precision, env.device)
     # Under fsdp, hsdp, tp and pp the model is built on the meta device and each rank materialises its shards.
     mesh = plan.mesh
-    sharded = (mesh.strategy == "fsdp" or mesh.tp > 1 or mesh.pp > 1) and cfg.dist.meta_init
+    sharded = mesh.cuts_model and cfg.dist.meta_init
     whole = lambda: instantiate(cfg.model, _convert_="all")  # noqa: E731
     make, source = whole, None
     if sharded and cfg.model.get("pretrained") and cfg.model.get("_target_") in HF_TARGETS:  # its slices, each rank
         make = lambda: instantiate(cfg.model, _convert_="all", load_weights=False)  # noqa: E731
         source = pretrained.SafetensorsSource(Path(cfg.model["pretrained"]).expanduser())
-    # What building (or loading) the model adds to this rank's memory: on the meta device the shards'
-    # materialisation (the recording imports the model's library and allocates nothing), whole from the start.
+    # What building (or loading) the model adds to this rank's memory: built whole, the build and the wrapping;
+    # on the meta device the shards' materialisation, which measures itself (the recording imports the model's
+    # library and allocates nothing the model keeps).
     with hostmem.PhasePeak() as built:
         model, materialise = construct.build(make, sharded, env.device,
                                              log.warning if env.is_main else lambda _: None, whole, source)
-    with hostmem.PhasePeak() as wrapped:
         frozen = checkpoint.frozen_digest(model)  # before wrapping: whole tensors on every rank (None on meta)
         strategy = build_strategy(model, env, cfg.dist, mesh, precision, cfg.trainer.compile, materialise)
-    load_mb = materialise.mb if materialise is not None else wrapped.since(built)
+    load_mb = materialise.mb if materialise is not None else built.mb
     optimizer = build_optimizer(strategy.weights.optimizer_params(), cfg.optim, plan.lr)
     trainer = Trainer(strategy, optimizer, precision, env, plan, cfg.optim, cfg.trainer, cfg.batch.partial_step)
     # Dropout and other runtime randomness per data-parallel rank: a tp group's ranks draw alike, so what

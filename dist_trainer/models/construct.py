@@ -226,7 +226,8 @@ class _Recorder(TorchDispatchMode):
             if device is not None and torch.device(device).type not in ("cpu", "meta"):
                 raise NotRecordable(f"the constructor puts a tensor on {device}")
             kwargs = {**kwargs, "device": META}
-        before = set(self.storages)
+        mutated = args[0] if func._schema.is_mutable and args and isinstance(args[0], torch.Tensor) else None
+        known = mutated is not None and mutated.untyped_storage()._cdata in self.storages  # made by an earlier op
         # Real tensors (constants the constructor made from Python data) are kept as they are for the replay.
         spec_args, spec_kwargs = tree_map(lambda a: self._ref(a) if isinstance(a, torch.Tensor) and
                                           a.device.type == "meta" else a, (args, kwargs))
@@ -236,13 +237,13 @@ class _Recorder(TorchDispatchMode):
         out_refs = [self._ref(t) for t in outs if t.device.type == "meta"]
         reads = [r.storage for r in tree_flatten((spec_args, spec_kwargs))[0] if isinstance(r, Ref)]
         overwrites = None
-        if func._schema.is_mutable and name in OVERWRITES and args and isinstance(args[0], torch.Tensor):
+        if known and name in OVERWRITES:
             target = spec_args[0]
             whole = (target.offset == 0 and args[0].is_contiguous() and
                      args[0].numel() == self.storages[target.storage][0] and target.dtype ==
                      self.storages[target.storage][1])
             others = reads[1:]
-            if whole and target.storage not in others and target.storage in before:
+            if whole and target.storage not in others:
                 overwrites = target.storage
                 reads = others
         self.ops.append(Op(func, spec_args, spec_kwargs, out_refs, reads, overwrites))

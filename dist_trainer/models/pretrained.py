@@ -63,9 +63,7 @@ class SafetensorsFile:
         if out.numel() == 0:
             return out
         rows = box[0] if box else slice(0, 1)
-        row_elems = 1
-        for n in shape[1:]:
-            row_elems *= n
+        row_elems = math.prod(shape[1:])
         item = out.element_size()
         whole_rows = all(b.start == 0 and b.stop == n for b, n in zip(box[1:], shape[1:]))
         with open(self.path, "rb", buffering=0) as f:
@@ -170,13 +168,9 @@ def _box(target: torch.Tensor) -> Optional[Tuple[slice, ...]]:
     mesh = target.device_mesh
     # A placement over a mesh dimension of one rank cuts nothing (FSDP2 over a tp cut with a shard group of one
     # places a strided shard there).
-    if any((type(p).__name__ == "_StridedShard" or (not isinstance(p, Shard) and p.is_shard())) and
-           mesh.size(dim) > 1 for dim, p in enumerate(target.placements)):
+    placements = [Replicate() if mesh.size(dim) == 1 else p for dim, p in enumerate(target.placements)]
+    if any(type(p).__name__ == "_StridedShard" or (p.is_shard() and not isinstance(p, Shard)) for p in placements):
         return None
-    if any(mesh.size(dim) == 1 and p.is_shard() for dim, p in enumerate(target.placements)):
-        placements = [p if mesh.size(dim) > 1 else Replicate() for dim, p in enumerate(target.placements)]
-        shape, offset = compute_local_shape_and_global_offset(target.shape, mesh, placements)
-        return tuple(slice(o, o + n) for o, n in zip(offset, shape))
-    shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+    shape, offset = compute_local_shape_and_global_offset(target.shape, mesh, placements)
     return tuple(slice(o, o + n) for o, n in zip(offset, shape))
 

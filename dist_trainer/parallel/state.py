@@ -106,8 +106,8 @@ class WholeTensors:
     rank's shard; a pipeline stage: its own names only). Construction is a
     collective: every rank learns ``layout``, the whole model's tensors in one
     order (rank by rank, each rank's in its state_dict's order, the first holder
-    of a name giving it), before anything is gathered, so an export can decide
-    and plan (does the model fit, which file holds which tensor) from it alone.
+    of a name giving it), before anything is gathered, so an export can plan
+    (which file holds which tensor, which names are one tie) from it alone.
 
     Iterating is a collective too: every rank iterates in full, in the same
     order. For each tensor its holders make it whole (a DTensor's
