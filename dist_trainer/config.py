@@ -669,6 +669,30 @@ def _validate_pp(cfg: Config) -> None:
            "dist.pp.size=1, or model.lora.r=null")
 
 
+def _validate_moe(cfg: Config) -> None:
+    """``model.moe``: the balancing keys (any MoE model), the built-in GPT's layer shape."""
+    moe = cfg.model.get("moe")
+    if not isinstance(moe, dict):
+        return
+    from .moe.routing import BalanceConfig  # the one reader of the balancing keys
+
+    BalanceConfig.from_dict(moe)
+    experts = moe.get("num_experts") or 0
+    if not experts:
+        return
+    top_k = moe.get("top_k", 2)
+    _check(isinstance(experts, int) and experts >= 1, "model.moe.num_experts", experts, "must be an integer >= 0")
+    _check(isinstance(top_k, int) and 1 <= top_k <= experts, "model.moe.top_k", top_k,
+           f"must be between 1 and model.moe.num_experts ({experts})")
+    _check(moe.get("router", "softmax") in ("softmax", "sigmoid"), "model.moe.router", moe.get("router"),
+           "choose softmax or sigmoid")
+    _check(cfg.dist.pp.size == 1, "dist.pp.size", cfg.dist.pp.size,
+           "must be 1 with MoE layers (model.moe.num_experts > 0) for now: pipeline stages do not carry the "
+           "balancing terms' token mask between stages yet")
+    _check(cfg.dist.tp.size == 1, "dist.tp.size", cfg.dist.tp.size,
+           "must be 1 with MoE layers (model.moe.num_experts > 0) for now: use fsdp or hsdp to shard the experts")
+
+
 def resolve_reshard(dist: DistConfig) -> Optional[str]:
     """``dist.fsdp.reshard=auto`` made a mode, in place, so that everything after validate sees the mode alone.
 
@@ -734,6 +758,7 @@ def validate(cfg: Config, world_size: int, local_world_size: Optional[int] = Non
     # Keys left at auto get their value here, once, in place: what is built, planned and saved reads a mode.
     chosen = tuple(line for line in (resolve_reshard(cfg.dist),) if line)
     _validate_pp(cfg)
+    _validate_moe(cfg)
     batch = cfg.batch
     if batch.micro_batch_size == "auto":
         _check(batch.global_batch_size is not None, "batch.global_batch_size", None,

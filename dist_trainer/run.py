@@ -420,6 +420,7 @@ def step_record(outcome: StepOutcome, position: Position, trainer: Trainer, step
         "step_time_s": step_time, "data_time_s": data_time, "compute_time_s": step_time - data_time,
         "samples_per_s": outcome.samples / step_time, "items_per_s": outcome.items / step_time,
         "peak_mem_mb": peak_mem_mb(env.device),
+        **outcome.moe,  # MoE: aux_loss, z_loss, expert_tokens, expert_load_max, dead_experts
     }
     if outcome.pp_idle_times:  # pipeline stages: each stage group's idle seconds (its slowest rank's), measured
         mesh, per = trainer.plan.mesh, trainer.plan.mesh.stage_ranks

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from .config import BatchPlan, OptimConfig, TrainerConfig
 from .data import Window
 from .distributed import DistEnv
+from .moe import routing_of
 from .optim import lr_at, set_lr
 from .parallel.state import local_tensor
 from .precision import Precision
@@ -78,6 +79,8 @@ class StepOutcome:
     # ... and the most micro-batches whose activations each rank's stages held at once, by rank.
     pp_inflight: List[float] = field(default_factory=list)
     busy: bool = False  # some rank's background work (a checkpoint's write) still ran at this step's all-reduce
+    # Mixture of experts: the step's expert counts, load, aux and z terms, summed over ranks (moe.Routing.totals).
+    moe: Dict[str, Any] = field(default_factory=dict)
 
 
 def _leading_dim(batch: Any) -> int:
@@ -143,6 +146,8 @@ class Trainer:
         self.batch_share = float(plan.mesh is None or plan.mesh.counts_batch(env.rank))
         # Pipeline stages: the strategy's schedule runs the window's forward and backward passes.
         self.pipeline = getattr(strategy, "run_window", None)
+        # MoE layers' routing statistics and balancing terms (a NoRouting for a dense model).
+        self.routing = routing_of(self.module)
 
     def train_step(self, batches: List[Any], window: Window, step: int,
                    stop_requested: Callable[[], bool] = lambda: False, data_time_s: float = 0.0,
@@ -155,6 +160,7 @@ class Trainer:
         comm0 = {**strategy.comm(), **self.own_comm}
         strategy.track_peak(self.state_mb is None)  # until the step that measures state_mb
         self.weights.zero_grad()
+        self.routing.begin_step(self.env.device)
         run = self._micro_batches if self.pipeline is None else self._pipeline_window
         loss_sum, items = run(batches, window, scale)
         ready = strategy.grads_ready_at()  # when this rank issued its last gradient reduction
@@ -173,7 +179,7 @@ class Trainer:
         outcome.data_times, outcome.compute_times = totals["data_times"], totals["compute_times"]
         outcome.pp_idle_times, outcome.pp_schedule_times = totals["pp_idle_times"], totals["pp_schedule_times"]
         outcome.pp_inflight = totals["pp_inflight"]
-        outcome.busy = totals["busy"]
+        outcome.busy, outcome.moe = totals["busy"], totals["moe"]
         return outcome
 
     def _micro_batches(self, batches: List[Any], window: Window, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,8 +187,12 @@ class Trainer:
         model, strategy = self.model, self.strategy
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
         items = torch.zeros((), dtype=torch.float64, device=self.env.device)
+        if self.routing.needs_prepass(len(window), self.plan.data_ranks):  # the step's expert counts, first
+            self.routing.count_window(self._forward_only, batches, [bool(ix) for ix in window],
+                                      lambda counts: self._all_reduce(counts.mul_(self.batch_share)), self.env.device)
         for i, (batch, indices) in enumerate(zip(batches, window)):
             last = i == len(window) - 1
+            self.routing.counting = bool(indices)  # a placeholder's tokens route, but count nowhere
             with strategy.micro_batch(last):  # whether this backward reduces gradients
                 with self.precision.autocast():
                     output = model(batch)
@@ -190,12 +200,18 @@ class Trainer:
                 mb_loss_sum, mb_items = loss_terms(output, batch, count=bool(indices))
                 if self.loss_divisor is None:
                     self.loss_divisor = self._first_divisor(mb_items)
+                self.routing.grad_scale = scale / self.loss_divisor  # the balancing terms' share of it
                 (mb_loss_sum * (scale / self.loss_divisor)).backward()
             if not last:
                 self.weights.accumulate()  # master modes: into the FP32 buffers
             loss_sum += mb_loss_sum.detach()
             items += mb_items
         return loss_sum, items
+
+    def _forward_only(self, batch: Any) -> None:
+        """A micro-batch's forward without gradients, as the step runs it (the MoE counts' pass)."""
+        with self.precision.autocast():
+            self.model(batch)
 
     def _pipeline_window(self, batches: List[Any], window: Window, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Pipeline stages: the schedule runs every micro-batch's forward and backward, the last stage the loss."""
@@ -233,7 +249,8 @@ class Trainer:
         """
         world, B = self.env.world_size, STEP_FIXED_SLOTS
         pipeline = self.pipeline is not None  # two more slots a rank: idle and schedule seconds
-        stats = torch.zeros(B + (6 if pipeline else 3) * world, dtype=torch.float64, device=self.env.device)
+        own = B + (6 if pipeline else 3) * world
+        stats = torch.zeros(own, dtype=torch.float64, device=self.env.device)
         # Read the stop flag now, at the step's end: a signal that came during
         # this step stops the run after it, not after the next one.
         # The ranks of one tensor-parallel group ran the same micro-batches: the first speaks for them.
@@ -250,8 +267,11 @@ class Trainer:
             stats[B + 3 * world + self.env.rank] = self.strategy.pp_idle_s
             stats[B + 4 * world + self.env.rank] = self.strategy.pp_schedule_s
             stats[B + 5 * world + self.env.rank] = self.strategy.pp_inflight
+        # MoE: the step's expert counts and balancing sums ride along (none for a dense model).
+        stats = torch.cat([stats, self.routing.local_stats(share).to(stats.device)])
         self._all_reduce(stats)
         values = stats.tolist()  # the step's one host sync
+        pp = values[B + 3 * world:own]  # pipeline stages' slots (none without)
         bad_ranks = [r for r in range(world) if values[B + r] > 0]
         # An inf or NaN in any rank's gradients makes the sum non-finite on every rank.
         norm = math.sqrt(values[4]) if math.isfinite(values[4]) else float("nan")
@@ -259,8 +279,8 @@ class Trainer:
                 "nonfinite": not math.isfinite(norm) or bool(bad_ranks), "stop": values[3] > 0, "busy": values[5] > 0,
                 "bad_ranks": bad_ranks,
                 "data_times": values[B + world:B + 2 * world], "compute_times": values[B + 2 * world:B + 3 * world],
-                "pp_idle_times": values[B + 3 * world:B + 4 * world],
-                "pp_schedule_times": values[B + 4 * world:B + 5 * world], "pp_inflight": values[B + 5 * world:],
+                "pp_idle_times": pp[:world], "pp_schedule_times": pp[world:2 * world], "pp_inflight": pp[2 * world:],
+                "moe": self.routing.take_totals(values[own:], values[1]),
                 "raw_norm": norm}  # norm of the grads as they stand: scaled, not yet normalised
 
     def _apply(self, totals: dict, scale: float, step: int) -> StepOutcome:
@@ -301,6 +321,7 @@ class Trainer:
         set_lr(self.optimizer, lr)
         self.optimizer.step()
         self.weights.after_step()  # master modes: FP32 masters -> half parameters
+        self.routing.after_update()  # MoE aux-loss-free balancing: the selection biases, from the step's counts
         self.updates += 1
         self.consecutive_skips = 0
         self.precision.scaler.update(found_inf=False, step=step)

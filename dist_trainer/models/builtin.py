@@ -11,10 +11,13 @@ Every model's ``forward`` takes the collated batch dict and returns either
 from __future__ import annotations
 
 import math
+from typing import Any, Callable, Dict, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..moe import BalanceConfig, Experts, MoE, Routing, SharedExperts
 
 __all__ = ["GPT", "DigitsConvNet", "BranchyMLP"]
 
@@ -81,14 +84,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block."""
+    """Pre-LayerNorm transformer block; its feed-forward part a mixture of experts where ``moe`` says so."""
 
-    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool) -> None:
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool,
+                 moe: Optional[Callable[[], nn.Module]] = None) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(n_embd, bias=bias)
         self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias)
         self.ln_2 = nn.LayerNorm(n_embd, bias=bias)
-        self.mlp = MLP(n_embd, dropout, bias)
+        self.mlp = MLP(n_embd, dropout, bias) if moe is None else moe()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -128,6 +132,7 @@ class GPT(nn.Module):
         n_embd: int = 128,
         dropout: float = 0.0,
         bias: bool = True,
+        moe: Optional[Dict[str, Any]] = None,
     ) -> None:
         super().__init__()
         for key, val in (("vocab_size", vocab_size), ("block_size", block_size),
@@ -143,7 +148,11 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(vocab_size, n_embd)
         self.pos_emb = nn.Embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, bias) for _ in range(n_layer))
+        # model.moe.num_experts > 0: every block's MLP is a mixture of experts sharing one Routing.
+        self.moe = moe_options(moe, n_embd)
+        self.routing = Routing(BalanceConfig.from_dict(moe)) if self.moe else None
+        layer = (lambda: moe_layer(self.routing, self.moe)) if self.moe else None  # noqa: E731
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, bias, layer) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(n_embd, bias=bias)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # weight tying
@@ -160,6 +169,8 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        elif isinstance(module, Experts):  # the experts' output projections are residual ones too
+            nn.init.normal_(module.down_proj, mean=0.0, std=0.02 / math.sqrt(2 * self.n_layer))
         elif isinstance(module, nn.LayerNorm):
             nn.init.ones_(module.weight)
             if module.bias is not None:
@@ -180,6 +191,9 @@ class GPT(nn.Module):
         context: 12 x layers x width x block_size (the PaLM appendix formula).
         """
         matmul_params = self.num_params(non_embedding=True)
+        # A token goes through top_k routed experts of each MoE layer, not all of them.
+        matmul_params -= sum(sum(p.numel() for p in m.parameters()) - m.active_params()
+                             for m in self.modules() if isinstance(m, MoE))
         return 6.0 * matmul_params + 12.0 * self.n_layer * self.n_embd * self.block_size
 
     # Pipeline stages (dist.pp.size): the modules of the first stage before the blocks, of the last after.
@@ -233,7 +247,33 @@ class GPT(nn.Module):
         return {"loss_sum": loss_sum, "num_items": num_items}
 
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.routing is not None:  # the positions the balancing terms count: those whose target counts
+            self.routing.token_mask = batch["targets"] != IGNORE_INDEX
         return self.loss_terms(self.logits(batch["input_ids"]), batch["targets"])
+
+
+def moe_options(moe: Optional[Dict[str, Any]], n_embd: int) -> Optional[Dict[str, Any]]:
+    """The MoE layer's arguments from ``model.moe`` (None: dense, ``num_experts`` 0 or unset)."""
+    moe = dict(moe or {})
+    experts = int(moe.get("num_experts") or 0)
+    if experts <= 0:
+        return None
+    hidden = int(moe.get("hidden") or 4 * n_embd)
+    shared = int(moe.get("shared_experts") or 0)
+    bias_rate = float(dict(moe.get("bias_update") or {}).get("rate", 0.0) or 0.0)
+    return {"dim": n_embd, "hidden": hidden, "num_experts": experts, "top_k": int(moe.get("top_k", 2)),
+            "shared_hidden": shared * hidden,
+            "score": str(moe.get("router", "softmax")), "norm_topk": bool(moe.get("norm_topk", True)),
+            "selection_bias": bias_rate > 0}
+
+
+def moe_layer(routing: Routing, options: Dict[str, Any]) -> MoE:
+    """One block's MoE layer; ``shared_experts`` of them merged into one SwiGLU MLP that is ``hidden`` times as
+    wide (DeepSeek's layout)."""
+    options = dict(options)
+    shared_hidden = options.pop("shared_hidden")
+    shared = SharedExperts(options["dim"], shared_hidden) if shared_hidden else None
+    return MoE(routing, shared=shared, **options)
 
 
 class DigitsConvNet(nn.Module):

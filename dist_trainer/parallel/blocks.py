@@ -8,6 +8,7 @@ nothing of which strategy that is.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
@@ -62,6 +63,10 @@ def checkpoint_blocks(blocks: Sequence[nn.Module]) -> None:
     """
     from torch.utils.checkpoint import checkpoint
 
+    from ..recompute import recomputation
+
+    # The recomputation says so (recompute.py): what a forward counts as a side effect is counted once.
+    contexts = lambda: (contextlib.nullcontext(), recomputation())  # noqa: E731
     if not blocks:
         raise ConfigError("dist.activation_checkpointing=true: the model declares no blocks to checkpoint; "
                           "set dist.blocks to the class names of its repeated blocks")
@@ -69,7 +74,7 @@ def checkpoint_blocks(blocks: Sequence[nn.Module]) -> None:
         forward = block.forward
 
         def checkpointed(*args: Any, _forward: Callable = forward, **kwargs: Any) -> Any:
-            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+            return checkpoint(_forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 
         block.forward = checkpointed  # an instance attribute: state_dict keys are unchanged
 
