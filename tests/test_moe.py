@@ -1,0 +1,229 @@
+"""Mixture of experts in the built-in GPT: routing and balancing terms exact under any split.
+
+One process with one big batch of 32 sequences is the reference; 2 real ranks on gloo split the same
+steps (2 x 16 x 1, 2 x 4 x 4), under ddp and fsdp, over sequences whose valid tokens differ by 4x and more
+from micro-batch to micro-batch (``test_accumulation.unbalanced_text``). Per step, the expert counts by layer
+must be equal to the reference's exactly, and the gradients (steps 1-3), the weights after 3 AdamW steps and
+the aux and z values within SCALE_TOL of their scale, for:
+
+* the global aux term (the step's counts over every micro-batch and rank) with the z-loss and a shared
+  expert, also with activation checkpointing (nothing counted twice);
+* the sequence-wise term; the aux-loss-free bias update (sigmoid router); an expert no token chooses; a
+  last step of one sequence, where one rank holds no token at all;
+* and, as documented, the micro_batch scope (transformers' term) is *not* split-invariant: the same
+  comparison fails it, which also shows the comparison can fail; an aux coefficient of 0 changes the
+  gradients (the term is there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import traceback
+
+import pytest
+import torch
+from torch.utils.data import Subset
+
+from dist_trainer import distributed
+from dist_trainer.config import ConfigError, validate
+from dist_trainer.data import epoch_batches
+from dist_trainer.models import GPT
+from dist_trainer.parallel.state import local_tensor
+from dist_trainer.run import build
+from helpers import SCALE_TOL, scaled_error
+from test_accumulation import GLOBAL, GPT_KW, _assert_close, gpt_config, in_one_process, launch_clean, \
+    unbalanced_text
+from test_fsdp import _named_full
+
+STEPS = 3
+MOE = {"num_experts": 4, "top_k": 2, "shared_experts": 0, "hidden": 24, "router": "softmax", "norm_topk": True,
+       "aux_loss": {"coef": 0.05, "scope": "global"}, "z_loss": {"coef": 0.0}, "bias_update": {"rate": 0.0}}
+CASES = {  # name: model.moe overrides
+    "global": {"aux_loss": {"coef": 0.05, "scope": "global"}, "z_loss": {"coef": 1e-3}, "shared_experts": 1},
+    "sequence": {"aux_loss": {"coef": 0.05, "scope": "sequence"}},
+    "bias": {"router": "sigmoid", "aux_loss": {"coef": 0.0, "scope": "global"}, "bias_update": {"rate": 1e-2}},
+    "dead": {"router": "sigmoid", "bias_update": {"rate": 1e-3}},
+    "micro": {"aux_loss": {"coef": 0.05, "scope": "micro_batch"}},
+}
+
+
+class DeadExpertGPT(GPT):
+    """The last expert of every layer is never chosen: its selection bias starts far below the others'."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        for block in self.blocks:
+            block.mlp.gate.e_score_correction_bias[-1] = -1e3
+
+
+def short_text(block_size: int = 24) -> Subset:
+    """Three steps of ``unbalanced_text`` and one sequence more: the fourth step holds one sequence."""
+    full = unbalanced_text(block_size, STEPS + 1)
+    return Subset(full, list(range(STEPS * GLOBAL + 1)))
+
+
+def moe_config(micro: int, case: str = "global", strategy: str = "ddp", checkpointing: bool = False, **model):
+    cfg = gpt_config(micro)
+    moe = {**MOE, **CASES[case]}
+    cfg.model = {**cfg.model, **GPT_KW, "n_layer": 2, "moe": moe, **model}
+    # An expert's gradient holds elements near zero (a few tokens through a saturated gate), about 1e-7 of
+    # the largest: their rounding, which the order of summation decides, AdamW would turn into lr-sized
+    # steps at its default eps of 1e-8. At 1e-6 such an element moves by lr x g / eps, its rounding with it.
+    cfg.optim = dataclasses.replace(cfg.optim, eps=1e-6)
+    if case == "dead":
+        cfg.model["_target_"] = f"{__name__}.DeadExpertGPT"
+    return dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, strategy=strategy,
+                                                             activation_checkpointing=checkpointing))
+
+
+def _short(cfg):
+    cfg.data = {**cfg.data, "_target_": f"{__name__}.short_text"}
+    return cfg
+
+
+def _jobs(world: int) -> list[tuple]:
+    micro = GLOBAL // world
+    if world == 1:
+        jobs = [(f"{case}/ref", moe_config(micro, case), STEPS) for case in CASES]
+        jobs.append(("coef0/ref", moe_config(micro, "global", moe={**MOE, "aux_loss": {"coef": 0.0}}), 1))
+        jobs.append(("short/ref", _short(moe_config(micro)), STEPS + 1))
+        return jobs
+    return [("global/2x16x1", moe_config(16), STEPS), ("global/2x4x4", moe_config(4), STEPS),
+            ("global/fsdp-2x4x4", moe_config(4, strategy="fsdp"), STEPS),
+            ("global/ac-2x4x4", moe_config(4, checkpointing=True), STEPS),
+            ("sequence/2x4x4", moe_config(4, "sequence"), STEPS),
+            ("sequence/fsdp-2x2x8", moe_config(2, "sequence", strategy="fsdp"), STEPS),
+            ("bias/2x4x4", moe_config(4, "bias"), STEPS), ("dead/2x4x4", moe_config(4, "dead"), STEPS),
+            ("micro/2x4x4", moe_config(4, "micro"), STEPS),
+            ("short/2x4x4", _short(moe_config(4)), STEPS + 1)]
+
+
+def _run_job(env, world_size: int, cfg, steps: int) -> dict:
+    """Each step's outcome, whole gradients and weights (gathered under fsdp), and the selection biases."""
+    parts = build(cfg, validate(cfg, world_size), env)
+    trainer, module = parts.trainer, parts.trainer.module
+    rec = {"outcomes": [], "grads": [], "params": []}
+    for step, (window, micro_batches) in zip(range(1, steps + 1),
+                                             epoch_batches(parts.train_set, parts.step_plan, 0, 0, 0, False)):
+        rec["outcomes"].append(dataclasses.asdict(trainer.train_step(micro_batches, window, step)))
+        rec["grads"].append(_named_full(module, grads=True))
+        rec["params"].append(_named_full(module, grads=False))
+    # Buffers are whole on every rank (fsdp replicates them).
+    rec["biases"] = {name: local_tensor(b).clone() for name, b in module.named_buffers()
+                     if name.endswith("e_score_correction_bias")}
+    return rec
+
+
+def _worker(rank: int, world_size: int, jobs: list[tuple]) -> dict:
+    env = distributed.init("cpu")
+    results = {}
+    for name, cfg, steps in jobs:
+        try:
+            results[name] = _run_job(env, world_size, cfg, steps)
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+        gc.collect()
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    one = in_one_process(_worker, _jobs(1))
+    two = launch_clean(_worker, 2, tmp_path_factory.mktemp("moe2"), _jobs(2))
+    return one, two
+
+
+def _rec(results: dict, name: str) -> dict:
+    rec = results[name]
+    if "error" in rec:
+        pytest.fail(f"job {name} raised:\n{rec['error']}")
+    return rec
+
+
+def _assert_same_run(got: dict, ref: dict, what: str) -> None:
+    """Counts exactly; gradients of every step, the final weights and the balancing values within SCALE_TOL."""
+    for step, (a, b) in enumerate(zip(got["outcomes"], ref["outcomes"]), 1):
+        assert a["moe"]["expert_tokens"] == b["moe"]["expert_tokens"], f"{what}: expert counts at step {step}"
+        assert a["items"] == b["items"] and a["skipped"] == b["skipped"], f"{what}: step {step}"
+        for key in ("aux_loss", "z_loss"):
+            assert a["moe"][key] == pytest.approx(b["moe"][key], rel=SCALE_TOL, abs=1e-12), f"{what} {key} {step}"
+        assert a["loss"] == pytest.approx(b["loss"], rel=SCALE_TOL), f"{what}: loss at step {step}"
+        _assert_close(got["grads"][step - 1], ref["grads"][step - 1], f"{what} grads step {step}")
+    _assert_close(got["params"][-1], ref["params"][-1], f"{what} params")
+
+
+@pytest.mark.parametrize("name", ["global/2x16x1", "global/2x4x4", "global/fsdp-2x4x4", "global/ac-2x4x4",
+                                  "sequence/2x4x4", "sequence/fsdp-2x2x8", "bias/2x4x4", "dead/2x4x4",
+                                  "short/2x4x4"])
+def test_split_equals_one_big_batch(runs, name):
+    one, two = runs
+    ref = _rec(one, name.split("/")[0] + "/ref")
+    for rank in range(2):
+        _assert_same_run(_rec(two[rank], name), ref, f"{name} rank {rank}")
+
+
+def test_the_terms_are_there_and_move_the_gradients(runs):
+    one, _ = runs
+    ref = _rec(one, "global/ref")
+    first = ref["outcomes"][0]["moe"]
+    assert first["aux_loss"] > 0.05 * 0.5 and first["z_loss"] > 0  # coef x E x sum f P >= coef for any routing
+    assert sum(first["expert_tokens"][0]) == 2 * ref["outcomes"][0]["items"]  # each valid token chooses top_k
+    assert ref["outcomes"][0]["loss"] < 6.0  # the logged loss is the language model's alone
+    coef0 = _rec(one, "coef0/ref")
+    assert coef0["outcomes"][0]["moe"]["aux_loss"] == 0.0
+    router = "blocks.0.mlp.gate.weight"
+    assert scaled_error(coef0["grads"][0][router], ref["grads"][0][router]) > 1e-2
+
+
+def test_micro_batch_scope_moves_with_the_split(runs):
+    """transformers' per-forward term: documented as split-dependent, and it is (so the comparison can fail)."""
+    one, two = runs
+    ref, got = _rec(one, "micro/ref"), _rec(two[0], "micro/2x4x4")
+    assert got["outcomes"][0]["moe"]["expert_tokens"] == ref["outcomes"][0]["moe"]["expert_tokens"]
+    router = "blocks.0.mlp.gate.weight"
+    assert scaled_error(got["grads"][0][router], ref["grads"][0][router]) > 1e-3
+
+
+def test_bias_update_moves_once_per_step_and_a_dead_expert_stays_dead(runs):
+    one, two = runs
+    bias = _rec(one, "bias/ref")
+    ref = bias["biases"]["blocks.0.mlp.gate.e_score_correction_bias"]
+    # Three updates of +-rate (or 0) each: the counts differ between experts, so the biases moved.
+    assert ref.abs().max().item() == pytest.approx(3e-2, rel=1e-5) and ref.abs().min().item() <= 1e-2 + 1e-7
+    for rank in range(2):
+        got = _rec(two[rank], "bias/2x4x4")["biases"]
+        assert got.keys() == bias["biases"].keys() and len(got) == 2
+        for name, value in got.items():
+            assert torch.equal(value, bias["biases"][name]), f"{name} on rank {rank}"
+    dead = _rec(one, "dead/ref")
+    for outcome in dead["outcomes"]:
+        assert [row[-1] for row in outcome["moe"]["expert_tokens"]] == [0, 0]
+        assert outcome["moe"]["dead_experts"] == 2
+    for rank in range(2):
+        assert _rec(two[rank], "bias/2x4x4")["outcomes"][-1]["moe"]["expert_tokens"] == \
+            bias["outcomes"][-1]["moe"]["expert_tokens"]
+
+
+def test_activation_checkpointing_counts_once(runs):
+    _, two = runs
+    plain, ac = _rec(two[0], "global/2x4x4"), _rec(two[0], "global/ac-2x4x4")
+    for a, b in zip(plain["outcomes"], ac["outcomes"]):
+        assert a["moe"]["expert_tokens"] == b["moe"]["expert_tokens"]
+
+
+def test_a_rank_with_no_token_counts_nothing(runs):
+    _, two = runs
+    last = [_rec(two[rank], "short/2x4x4")["outcomes"][-1] for rank in range(2)]
+    assert last[0]["samples"] == 1 and last[0]["moe"] == last[1]["moe"]
+    assert sum(last[0]["moe"]["expert_tokens"][0]) == 2 * last[0]["items"]
+
+
+def test_bad_moe_keys_name_the_key():
+    base = moe_config(32)
+    for moe, key in (({**MOE, "top_k": 5}, "model.moe.top_k"), ({**MOE, "router": "relu"}, "model.moe.router"),
+                     ({**MOE, "aux_loss": {"coef": 0.01, "scope": "batch"}}, "model.moe.aux_loss.scope"),
+                     ({**MOE, "z_loss": {"coef": -1.0}}, "model.moe.z_loss.coef")):
+        cfg = dataclasses.replace(base, model={**base.model, "moe": moe})
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            validate(cfg, 1)
