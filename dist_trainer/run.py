@@ -32,6 +32,7 @@ from .health.watchdog import Watchdog
 from .metrics import Outputs, peak_flops, peak_mem_mb
 from .models import construct, pretrained
 from .models.hf import TARGETS as HF_TARGETS
+from .moe import inactive_params, routing_of
 from .optim import build_optimizer
 from .parallel import build_strategy, check_consistency
 from .plan import plan_numbers, write_plan_json
@@ -85,7 +86,24 @@ def startup_report(plan: BatchPlan, env: DistEnv, cfg: Config, model: nn.Module,
         f"plan: {plan.describe()}\n"
         f"model {getattr(model, 'name', cfg.model['_target_'])}: {params:,} parameters | data {cfg.data['_target_']}: "
         f"{step_plan.num_samples} samples, {step_plan.steps_per_epoch} optimizer steps per epoch"
+        + moe_line(model, plan)
     )
+
+
+def moe_line(model: nn.Module, plan: BatchPlan) -> str:
+    """The MoE layers and what their balancing costs (nothing for a dense model)."""
+    routing = routing_of(model)
+    if not routing.layers:
+        return ""
+    layer, cfg = routing.layers[0], routing.cfg
+    total = sum(p.numel() for p in model.parameters())
+    line = (f"\nMoE: {len(routing.layers)} layers x {layer.num_experts} experts, top {layer.top_k}, "
+            f"{total - inactive_params(model):,} of its {total:,} parameters active for a token | "
+            f"aux {cfg.aux_coef} ({cfg.aux_scope}), z {cfg.z_coef}, bias update {cfg.bias_rate}")
+    if routing.needs_prepass(plan.accum_steps, plan.data_ranks):
+        line += (" | the global aux term counts the step's experts first: one forward pass without gradients "
+                 "more per micro-batch (model.moe.aux_loss.scope=sequence needs none)")
+    return line
 
 
 def train(cfg: Config, run_dir: Path) -> Dict[str, Any]:

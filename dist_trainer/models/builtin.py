@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..moe import BalanceConfig, Experts, MoE, Routing, SharedExperts
+from ..moe import BalanceConfig, Experts, MoE, Routing, SharedExperts, inactive_params
 
 __all__ = ["GPT", "DigitsConvNet", "BranchyMLP"]
 
@@ -192,8 +192,7 @@ class GPT(nn.Module):
         """
         matmul_params = self.num_params(non_embedding=True)
         # A token goes through top_k routed experts of each MoE layer, not all of them.
-        matmul_params -= sum(sum(p.numel() for p in m.parameters()) - m.active_params()
-                             for m in self.modules() if isinstance(m, MoE))
+        matmul_params -= inactive_params(self)
         return 6.0 * matmul_params + 12.0 * self.n_layer * self.n_embd * self.block_size
 
     # Pipeline stages (dist.pp.size): the modules of the first stage before the blocks, of the last after.

@@ -6,7 +6,8 @@ global balancing term needs), at the step's all-reduce (the counts, aux and z su
 (the aux-loss-free bias).
 """
 
-from .layer import Experts, MoE, Router, SharedExperts
+from .layer import Experts, MoE, Router, SharedExperts, inactive_params
 from .routing import BalanceConfig, NoRouting, Routing, routing_of
 
-__all__ = ["BalanceConfig", "Experts", "MoE", "NoRouting", "Router", "Routing", "SharedExperts", "routing_of"]
+__all__ = ["BalanceConfig", "Experts", "MoE", "NoRouting", "Router", "Routing", "SharedExperts", "inactive_params",
+           "routing_of"]

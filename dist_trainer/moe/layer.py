@@ -184,3 +184,9 @@ class MoE(nn.Module):
         per_expert = sum(math.prod(p.shape[1:]) for p in (self.experts.gate_up_proj, self.experts.down_proj))
         rest = sum(math.prod(p.shape) for name, p in self.named_parameters() if not name.startswith("experts."))
         return rest + self.top_k * per_expert
+
+
+def inactive_params(model: nn.Module) -> int:
+    """Parameters of routed experts a token does not go through, over the model's MoE layers (0: dense)."""
+    return sum(sum(math.prod(p.shape) for p in layer.parameters()) - layer.active_params()
+               for layer in model.modules() if isinstance(layer, MoE))
