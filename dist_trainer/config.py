@@ -167,11 +167,19 @@ class PPConfig:
 
 
 @dataclass
+class EPConfig:
+    # Expert-parallel degree (1: none), taken from the data-parallel ranks: each group of this many consecutive
+    # data ranks splits every MoE layer's routed experts between them, tokens reaching them by all-to-all.
+    size: int = 1
+
+
+@dataclass
 class DistConfig:
     strategy: str = "ddp"  # ddp | fsdp
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     tp: TPConfig = field(default_factory=TPConfig)
     pp: PPConfig = field(default_factory=PPConfig)
+    ep: EPConfig = field(default_factory=EPConfig)
     # Class names of the model's repeated blocks (FSDP units, activation checkpointing);
     # null: what the model declares in _no_split_modules.
     blocks: Optional[List[str]] = None
@@ -269,6 +277,12 @@ class MeshShape:
     ``r * shard ... r * shard + shard - 1`` form shard group ``r`` (consecutive:
     one node's under ``shard_size=node``); rank ``s`` of every group holds the
     same shard. ddp shards nothing (shard 1).
+
+    ``ep`` divides the data-parallel ranks without multiplying the world (torchtitan's layout): data ranks
+    ``g * ep ... g * ep + ep - 1`` form expert-parallel group ``g``, each holding 1/ep of every MoE layer's routed
+    experts (rank ``i`` of a group the ``i``-th slice); the ranks with the same ``i`` in every group hold the same
+    experts and form its expert-data-parallel group (``expert_data_ranks`` of them), over which those experts'
+    gradients are reduced. Every rank still sees its own micro-batches.
     """
 
     strategy: str  # ddp | fsdp
@@ -279,6 +293,7 @@ class MeshShape:
     # The stages' placement: stage group r holds stages r, r + pp, ... (loop), or r and 2 pp - 1 - r (the V of
     # dist.pp.schedule=zero_bubble with 2 stages a rank), where the first and the last stage are both group 0's.
     pp_v: bool = False
+    ep: int = 1
 
     @property
     def world_size(self) -> int:
@@ -313,6 +328,20 @@ class MeshShape:
         for every stage of a pipeline."""
         return (rank % self.stage_ranks) // self.tp
 
+    def ep_rank(self, rank: int) -> int:
+        """Which slice of the experts global ``rank`` holds (0 without expert parallelism)."""
+        return self.data_rank(rank) % self.ep
+
+    @property
+    def expert_data_ranks(self) -> int:
+        """Ranks holding the same experts (one per expert-parallel group): their gradients are reduced over these."""
+        return self.data_ranks // self.ep
+
+    def counts_experts(self, rank: int) -> bool:
+        """Whether ``rank``'s expert gradients count in the global norm: each expert once, in the first
+        expert-parallel group (the others hold copies)."""
+        return self.data_rank(rank) < self.ep
+
     @property
     def cuts_model(self) -> bool:
         """Whether the strategy cuts the model over ranks (fsdp, hsdp, tp, pp): no rank needs it whole."""
@@ -334,12 +363,24 @@ class MeshShape:
             text = f"hsdp: {self.replicate} replicas x shard groups of {self.shard} ranks"
         if self.tp > 1:
             text = f"{text}, each rank a tensor-parallel group of {self.tp} ranks"
+        if self.ep > 1:
+            text = (f"{text}; experts split over expert-parallel groups of {self.ep} data ranks, their gradients "
+                    f"reduced over {self.expert_data_ranks}")
         return text if self.pp == 1 else f"pipeline of {self.pp} stage groups, each {text}"
 
 
 def derive_mesh(dist: "DistConfig", world_size: int, local_world_size: int) -> MeshShape:
-    """The mesh of ``dist.pp.size``, ``dist.tp.size``, ``dist.strategy`` and ``dist.fsdp.shard_size``; ConfigError
-    naming the key."""
+    """The mesh of ``dist.pp.size``, ``dist.tp.size``, ``dist.strategy``, ``dist.fsdp.shard_size`` and
+    ``dist.ep.size``; ConfigError naming the key."""
+    ep = dist.ep.size
+    _check(isinstance(ep, int) and not isinstance(ep, bool) and ep >= 1, "dist.ep.size", ep,
+           "must be an integer >= 1 (1: no expert parallelism)")
+    if ep > 1:  # taken from the data-parallel ranks: the shape without it, then ep within its data ranks
+        shape = derive_mesh(replace(dist, ep=EPConfig()), world_size, local_world_size)
+        _check(shape.data_ranks % ep == 0, "dist.ep.size", ep,
+               f"must divide the {shape.data_ranks} data-parallel ranks (one of {_divisors(shape.data_ranks)}): "
+               "expert-parallel groups are made of data ranks")
+        return replace(shape, ep=ep)
     pp = dist.pp.size
     _check(world_size % pp == 0, "dist.pp.size", pp,
            f"must divide the world size {world_size} (one of {_divisors(world_size)})")
@@ -693,6 +734,23 @@ def _validate_moe(cfg: Config) -> None:
            "must be 1 with MoE layers (model.moe.num_experts > 0) for now: use fsdp or hsdp to shard the experts")
 
 
+def _validate_ep(cfg: Config, mesh: MeshShape) -> None:
+    """``dist.ep.size`` against the model: the built-in GPT's MoE layers, their experts cut evenly."""
+    if mesh.ep == 1:
+        return
+    moe = cfg.model.get("moe")
+    experts = (moe.get("num_experts") or 0) if isinstance(moe, dict) else 0
+    _check(isinstance(experts, int) and experts > 0, "dist.ep.size", mesh.ep,
+           "needs a model with MoE layers (model.moe.num_experts > 0, the built-in GPT's); this one has none: "
+           "set dist.ep.size=1")
+    _check(experts % mesh.ep == 0, "dist.ep.size", mesh.ep,
+           f"must divide model.moe.num_experts={experts} (each rank of an expert-parallel group holds as many "
+           f"experts): one of {[d for d in _divisors(experts) if mesh.data_ranks % d == 0]}")
+    _check(not (mesh.strategy == "ddp" and cfg.precision.name.endswith("-master")), "precision.name",
+           cfg.precision.name, f"with dist.ep.size={mesh.ep} under dist.strategy=ddp is not supported yet (the "
+           "experts' FP32 masters would be whole): use a *-mixed precision, or dist.strategy=fsdp")
+
+
 def resolve_reshard(dist: DistConfig) -> Optional[str]:
     """``dist.fsdp.reshard=auto`` made a mode, in place, so that everything after validate sees the mode alone.
 
@@ -772,6 +830,7 @@ def validate(cfg: Config, world_size: int, local_world_size: Optional[int] = Non
                f"must be a positive multiple of the world size {world_size} with batch.micro_batch_size=auto")
         batch = BatchConfig(micro_batch_size=1, global_batch_size=glob)  # provisional, until the finder runs
     mesh = derive_mesh(cfg.dist, world_size, local_world_size or world_size)
+    _validate_ep(cfg, mesh)
     # The ranks of one tensor-parallel group see the same micro-batches: the split counts data-parallel ranks.
     accum, glob = derive_batch(batch, mesh.data_ranks, "world size" if mesh.data_ranks == world_size else
                                "data-parallel ranks (" + ", ".join(f"dist.{k}.size={n}" for k, n in

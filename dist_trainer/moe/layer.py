@@ -95,9 +95,15 @@ class Experts(nn.Module):
         nn.init.normal_(self.down_proj, std=0.02)
 
     def forward(self, x: torch.Tensor, counts: List[int]) -> torch.Tensor:
+        return self.rows(x, counts, self.gate_up_proj, self.down_proj)
+
+    def rows(self, x: torch.Tensor, counts: List[int], gate_up_proj: torch.Tensor,
+             down_proj: torch.Tensor) -> torch.Tensor:
+        """``x``'s rows through experts ``0 .. len(counts) - 1`` of the given weights (expert parallelism passes
+        a rank's own slice of them)."""
         # One matrix product per expert over its contiguous rows; unbind's backward stacks the experts'
         # gradients once (indexing would add a whole-size zero gradient per expert).
-        gate_up, down = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
+        gate_up, down = gate_up_proj.unbind(0), down_proj.unbind(0)
         outputs, start = [], 0
         for e, n in enumerate(counts):
             if n:

@@ -8,10 +8,10 @@ decides how a bucket is reduced: master modes send FP32 copies of half buckets).
 # No "from __future__ import annotations": DDP inspects the hook's real annotations.
 
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -21,8 +21,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..config import DistConfig, MeshShape
 from ..distributed import DistEnv
 from ..precision import MasterWeights, ModelWeights, Precision, frozen_names
+from ..moe.ep import apply_ep
 from .blocks import prepare_blocks
 from .comm import COMM_KEYS
+from .dcp import dcp_checkpoint_state, dcp_load_checkpoint_state
 from .state import WholeTensors, indexed_optimizer_state, optimizer_param_names, parameter_ties, state_of
 
 ReduceBucket = Callable[[dist.GradBucket, Optional[dist.ProcessGroup]], torch.futures.Future]
@@ -91,7 +93,15 @@ class DDPStrategy:
     def __init__(self, model: nn.Module, env: DistEnv, cfg: DistConfig, mesh: MeshShape, precision: Precision,
                  compile: bool = False):
         precision.prepare(model)  # master modes: half parameters, FP32 norm layers
+        # torchtitan's order: expert parallelism, then checkpointing and compile per block, then the wrapper.
+        self.ep = apply_ep(model.to(env.device), mesh, env.rank, env.device.type)
         prepare_blocks(model, cfg.blocks, cfg.activation_checkpointing, compile)  # before DDP's hooks
+        if self.ep.params:
+            # An expert slice is not replicated over the ranks: DDP must neither broadcast nor all-reduce it
+            # (ExpertParallel reduces it over its edp group). This static method is how torch's own composites
+            # tell DDP to leave parameters alone; there is no public one.
+            names = {id(p): name for name, p in model.named_parameters()}
+            DDP._set_params_and_buffers_to_ignore_for_model(model, [names[id(p)] for p in self.ep.params])
         self.model = apply_ddp(model, env, cfg)
         self.module = self.model.module
         self.mesh, self.is_first_replica = mesh, env.rank == 0
@@ -99,13 +109,18 @@ class DDPStrategy:
         if isinstance(self.weights, ModelWeights) and bucket_views(cfg):
             self.weights.keep_grad_buffers = True
         self.counter = count_allreduces(self.model, self.weights.reduce_bucket, self.weights.sent_element_size)
-        self.groups = [dist.group.WORLD]  # every collective runs on the default group
+        self.weights = self.ep.weights(self.weights)  # expert gradients as their local slices
+        self.groups = [dist.group.WORLD, *self.ep.groups]  # every other collective runs on the default group
 
-    def micro_batch(self, last: bool) -> ContextManager:
+    @contextmanager
+    def micro_batch(self, last: bool) -> Iterator[None]:
         # no_sync must cover forward AND backward: DDP decides during forward
         # whether the backward of that graph all-reduces. Only the window's
         # last backward syncs, carrying the sum of all micro-batches' grads.
-        return nullcontext() if last else self.model.no_sync()
+        with nullcontext() if last else self.model.no_sync():
+            yield
+        if last:  # the experts' gradients, which accumulated outside DDP, reduced once like DDP's
+            self.ep.reduce_grads()
 
     def evaluation(self) -> ContextManager:
         return nullcontext()
@@ -124,27 +139,33 @@ class DDPStrategy:
         (sqrt gives back the FP32 norm bit for bit), and a non-finite norm on
         any rank still makes it non-finite (inf x 0 is NaN).
         """
+        grads, experts = self.ep.norm_sq(grads)  # an expert slice counts on its first holder
         norm = (torch.nn.utils.get_total_norm([g for _, g in grads], error_if_nonfinite=False) if grads
                 else torch.zeros(()))
-        return norm.double().square() * float(self.is_first_replica)
+        return norm.double().square() * float(self.is_first_replica) + experts.to(norm.device)
 
     def grads_ready_at(self) -> float:
         return self.counter.last_issued
 
     def comm(self) -> Dict[str, int]:
-        return {**dict.fromkeys(COMM_KEYS, 0), "allreduces": self.counter.calls, "allreduce_bytes": self.counter.bytes}
+        ep = self.ep.comm()  # the experts' all-to-alls and edp all-reduces (nothing without ep)
+        return {**dict.fromkeys(COMM_KEYS, 0), **ep, "allreduces": self.counter.calls + ep.get("allreduces", 0),
+                "allreduce_bytes": self.counter.bytes + ep.get("allreduce_bytes", 0)}
 
     def consistency_tensors(self) -> List[Tuple[str, torch.Tensor]]:
-        """What must be bit-identical on every rank: parameters, buffers, FP32 masters."""
+        """What must be bit-identical on every rank: parameters (but expert slices), buffers, FP32 masters."""
         module = self.module
-        named = list(module.named_parameters()) + list(module.named_buffers())
+        experts = set(self.ep.params)
+        named = [(n, p) for n, p in module.named_parameters() if p not in experts] + list(module.named_buffers())
         if isinstance(self.weights, MasterWeights):
             names = {p: name for name, p in module.named_parameters()}
             named += [(f"{names[p]} (FP32 master)", m) for p, m in zip(self.weights.params, self.weights.masters)]
         return named
 
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
-        """The FP32 state dict of the unwrapped model (every rank has it whole)."""
+        """The FP32 state dict of the unwrapped model (every rank has it whole, but for expert slices)."""
+        if self.ep.params:
+            return self.full_tensors().state_dict()
         return self.weights.fp32_state_dict(self.module)
 
     def full_tensors(self) -> WholeTensors:
@@ -159,11 +180,16 @@ class DDPStrategy:
         the model is built with them, and the checkpoint records their digest
         (checkpoint.frozen_digest).
         """
+        if self.ep.params:  # expert slices: sharded like fsdp's, so any layout reads it
+            return dcp_checkpoint_state(self.module, optimizer)
         model = self.weights.fp32_state_dict(self.module, leave_out=frozen_names(self.module))
         return {"model": model, "optimizer": optimizer.state_dict()}, None
 
     def load_checkpoint_state(self, optimizer: torch.optim.Optimizer, saved: Dict[str, Any],
                               shards: Optional[Path]) -> None:
+        if self.ep.params:  # DCP puts each expert slice where it lives, from any checkpoint
+            dcp_load_checkpoint_state(self.module, optimizer, self.weights, saved, shards)
+            return
         if shards is None:  # a ddp checkpoint
             self.weights.load_fp32_state_dict(self.module, saved["model"])
             optimizer.load_state_dict(saved["optimizer"])

@@ -44,29 +44,22 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 # torch has no public way to count FSDP's collectives; its own default collectives,
 # subclassed, are counted where FSDP issues them (set_custom_all_gather / _reduce_scatter).
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
-from ..checkpoint import load_shards
 from ..config import DistConfig, MeshShape
 from ..distributed import DistEnv
-from ..precision import Precision, frozen_names
+from ..moe.ep import apply_ep
+from ..precision import Precision
 from .blocks import find_blocks, prepare_blocks
 from .comm import COMM_KEYS
-from .state import WholeTensors, local_tensor, named_optimizer_state, optimizer_param_names, parameter_ties
+from .dcp import checkpointed, dcp_checkpoint_state, dcp_load_checkpoint_state  # noqa: F401 (pp imports it here)
+from .state import WholeTensors, local_tensor, parameter_ties
 from .tp import apply_tp, tp_sharded
-
-
-def checkpointed(module: nn.Module) -> StateDictOptions:
-    """What checkpoints hold: every trained parameter and the optimizer's state, not frozen ones (a LoRA
-    model's base: the model is built with it, and the checkpoint records its digest). Strict without them."""
-    return StateDictOptions(ignore_frozen_params=True, strict=not frozen_names(module))
 
 
 class PeakMeter:
@@ -242,14 +235,18 @@ class FSDPStrategy:
         # torchtitan's order: tensor parallelism, then checkpointing and compile per block, then fully_shard.
         self.tp = (apply_tp(model, tp_mesh, cfg.tp, find_blocks(model, cfg.blocks), count=not compile)
                    if tp_mesh is not None else None)
+        # Then expert parallelism: its slices are left to it (ignored_params), whole on each rank of the ep group.
+        self.ep = apply_ep(model, mesh, env.rank, env.device.type)
         blocks = prepare_blocks(model, cfg.blocks, cfg.activation_checkpointing, compile)  # before fully_shard
         self.mesh, self.device = mesh, env.device
         policy = mp_policy(precision)
         self.reshard = cfg.fsdp.reshard
         after_forward = self.reshard == "micro_batch"  # given explicitly, to the root too
         for block in blocks:
-            fully_shard(block, mesh=dmesh, reshard_after_forward=after_forward, mp_policy=policy)
-        fully_shard(model, mesh=dmesh, reshard_after_forward=after_forward, mp_policy=policy)
+            fully_shard(block, mesh=dmesh, reshard_after_forward=after_forward, mp_policy=policy,
+                        ignored_params=self.ep.ignored)
+        fully_shard(model, mesh=dmesh, reshard_after_forward=after_forward, mp_policy=policy,
+                    ignored_params=self.ep.ignored)
         if materialise is not None:  # each rank allocates and initialises its own shards, and nothing more
             materialise(model)
         self.units: List[FSDPModule] = [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -268,8 +265,10 @@ class FSDPStrategy:
         first_of_tp = env.rank % mesh.tp == 0
         self.norm_share = {p: float(first_replica and (first_of_tp or tp_sharded(p, tp_mesh)))
                            for p in self.weights.params}
+        self.norm_share.update({p: float(mesh.counts_experts(env.rank)) for p in self.ep.params})  # each expert once
         self._shares_cache: Tuple[tuple, Optional[torch.Tensor]] = ((), None)
-        self.groups = [dist.group.WORLD, *dmesh.get_all_groups(), *(tp_mesh.get_all_groups() if tp_mesh else [])]
+        self.groups = [dist.group.WORLD, *dmesh.get_all_groups(), *(tp_mesh.get_all_groups() if tp_mesh else []),
+                       *self.ep.groups]
 
     @contextmanager
     def micro_batch(self, last: bool) -> Iterator[None]:
@@ -291,6 +290,7 @@ class FSDPStrategy:
         self.meter.sample()  # 'last' keeps every unit's unsharded gradient from here to the next micro-batch
         if last:
             self.reshard_all()  # the optimizer steps the shards: the next forward must gather them anew
+            self.ep.reduce_grads()  # the expert slices' gradients, accumulated outside FSDP, reduced once
 
     @contextmanager
     def evaluation(self) -> Iterator[None]:
@@ -343,6 +343,8 @@ class FSDPStrategy:
         """FSDP's collectives and, under tp, the activations' (also apart, under tp_* keys; not counted
         under trainer.compile, where they run inside compiled graphs: the keys are then absent)."""
         counts = dict(self.counter.counts)
+        for key, value in self.ep.comm().items():  # the experts' all-to-alls and edp all-reduces
+            counts[key] = counts.get(key, 0) + value
         if self.tp is not None and self.tp.counting:
             for key, value in self.tp.counts.items():
                 counts[key] = value
@@ -362,28 +364,10 @@ class FSDPStrategy:
         return WholeTensors(self.module.state_dict(), parameter_ties(self.module), self.device)
 
     def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-        """(what rank 0 writes into shared.pt, the sharded tensors every rank writes its part of).
-
-        The optimizer's state is keyed by parameter name, so that any layout
-        (another mesh, another world size, or ddp) can find its part; DCP writes
-        each replicated shard once.
-        """
-        model, optim = get_state_dict(self.module, optimizer, options=checkpointed(self.module))
-        return {"param_groups": optim["param_groups"]}, {"model": model, "optim": optim["state"]}
+        """(what rank 0 writes into shared.pt, the sharded tensors every rank writes its part of): ``dcp``."""
+        return dcp_checkpoint_state(self.module, optimizer)
 
     def load_checkpoint_state(self, optimizer: torch.optim.Optimizer, saved: Dict[str, Any],
                               shards: Optional[Path]) -> None:
-        if shards is not None:  # a sharded checkpoint of any mesh: DCP reshards
-            model, optim = get_state_dict(self.module, optimizer, options=checkpointed(self.module))  # templates
-            state = {"model": model, "optim": optim["state"]}
-            load_shards(state, shards)
-            set_state_dict(self.module, optimizer, model_state_dict=state["model"],
-                           optim_state_dict={"state": state["optim"], "param_groups": saved["param_groups"]},
-                           options=checkpointed(self.module))
-            return
-        # A ddp checkpoint: whole FP32 tensors on every rank; each keeps its shard.
-        full = StateDictOptions(full_state_dict=True, strict=not frozen_names(self.module))
-        set_model_state_dict(self.module, saved["model"], options=full)
-        names = optimizer_param_names(optimizer, self.weights, self.module)
-        set_optimizer_state_dict(self.module, optimizer, named_optimizer_state(saved["optimizer"], names),
-                                 options=full)
+        """From a sharded checkpoint of any mesh (DCP reshards), or a ddp one (each rank keeps its shard)."""
+        dcp_load_checkpoint_state(self.module, optimizer, self.weights, saved, shards)
