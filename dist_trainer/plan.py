@@ -21,6 +21,8 @@ from torch import nn
 
 from .config import BatchPlan, Config, ConfigError, MeshShape, pp_v_shape, validate
 from .data import StepPlan, build_dataset
+from .moe import routing_of
+from .moe.ep import BACKWARD_ALL_TO_ALLS, FORWARD_ALL_TO_ALLS, expert_params, moe_layers
 from .parallel.blocks import find_blocks
 from .parallel.comm import COMM_KEYS as GRADIENT_COMM_KEYS
 from .parallel.pp import held_along, pp_bubble, pp_inflight, schedule_orders
@@ -76,9 +78,10 @@ def sharded_by_fsdp(cfg: Config) -> bool:
     return cfg.dist.strategy == "fsdp" or cfg.dist.tp.size > 1 or cfg.dist.pp.size > 1
 
 
-def fsdp_units(model: nn.Module, blocks: List[nn.Module]) -> List[List[nn.Parameter]]:
-    """The parameters of each FSDP unit: each block's, then the root's (the rest; tied ones once)."""
-    seen: set = set()
+def fsdp_units(model: nn.Module, blocks: List[nn.Module], skip: Optional[set] = None) -> List[List[nn.Parameter]]:
+    """The parameters of each FSDP unit: each block's, then the root's (the rest; tied ones once). ``skip``: ids
+    of parameters FSDP is told to ignore (expert slices)."""
+    seen: set = set(skip or ())
     units = []
     for module in [*blocks, model]:
         params = [p for p in module.parameters() if id(p) not in seen]
@@ -87,7 +90,8 @@ def fsdp_units(model: nn.Module, blocks: List[nn.Module]) -> List[List[nn.Parame
     return units
 
 
-def unit_shard_bytes(cfg: Config, model: nn.Module, precision: Precision, shard: int) -> List[Tuple[int, int]]:
+def unit_shard_bytes(cfg: Config, model: nn.Module, precision: Precision, shard: int,
+                     skip: Optional[set] = None) -> List[Tuple[int, int]]:
     """(gathered, gradient) bytes of one rank's padded shard of each FSDP unit: each block's, then the root's.
 
     Gathered in the compute dtype (half in master modes), gradients reduced in
@@ -95,7 +99,8 @@ def unit_shard_bytes(cfg: Config, model: nn.Module, precision: Precision, shard:
     Under tp, of what this rank holds of each parameter.
     """
     cut = local_shapes(model, cfg.dist.tp)
-    return [unit_bytes(unit, shard, precision, cut) for unit in fsdp_units(model, find_blocks(model, cfg.dist.blocks))]
+    return [unit_bytes(unit, shard, precision, cut)
+            for unit in fsdp_units(model, find_blocks(model, cfg.dist.blocks), skip)]
 
 
 def unit_bytes(unit: List[torch.Tensor], shard: int, precision: Precision,
@@ -145,17 +150,22 @@ def expected_comm(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Pre
     mesh: MeshShape = plan.mesh
     counts = dict.fromkeys(COMM_KEYS, 0)
     accum = plan.accum_steps
+    skip = {id(p) for p in ep_experts(plan, model)}  # expert slices: neither DDP's nor FSDP's
     if not sharded_by_fsdp(cfg):
-        params = [p for p in model.parameters() if p.requires_grad]
+        params = [p for p in model.parameters() if p.requires_grad and id(p) not in skip]
         sent = precision.weights_type.sent_element_size  # master modes send FP32 copies of half buckets
         buckets = expected_buckets(params, cfg.dist.bucket_cap_mb)
         counts["allreduces"] = len(buckets)
         counts["allreduce_bytes"] = sum(n * (sent or dtype.itemsize) for dtype, n in buckets)
     else:
         gathers = {"micro_batch": 2 * accum, "forward": accum, "step": 1}[cfg.dist.fsdp.reshard]
+        if cfg.dist.fsdp.reshard == "micro_batch" and routing_of(model).needs_prepass(accum, plan.data_ranks):
+            gathers += accum  # the MoE counts' pass: a forward more per micro-batch, each unit gathered anew
         scatters = 1 if cfg.dist.fsdp.accum_sync == "last" else accum
-        for gathered, grad in unit_shard_bytes(cfg, model, precision, mesh.shard):
+        for gathered, grad in unit_shard_bytes(cfg, model, precision, mesh.shard, skip):
             add_unit_comm(counts, mesh, gathered, grad, gathers, scatters)
+    if mesh.ep > 1:
+        counts.update(ep_comm(cfg, plan, model, counts))
     if mesh.tp > 1:  # the activations' collectives, counted apart and in the totals
         tp = tp_comm(cfg, plan, model, precision)
         counts.update(tp)
@@ -163,7 +173,61 @@ def expected_comm(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Pre
             counts[key[len("tp_"):]] += value
     counts["step_allreduces"] = 1
     counts["step_allreduce_bytes"] = step_stats_bytes(mesh.world_size)
+    counts.update(moe_step_allreduces(plan, model, counts))
     return counts
+
+
+def moe_step_allreduces(plan: BatchPlan, model: nn.Module, counts: Dict[str, int]) -> Dict[str, int]:
+    """MoE layers' share of the step's own all-reduces (``moe.Routing``): their expert counts by layer and the
+    aux and z sums ride the step's all-reduce (float64); the counts' pass, where the global aux term needs it,
+    all-reduces its counts once more."""
+    routing = routing_of(model)
+    if not routing.layers:
+        return {}
+    counted = len(routing.layers) * max(layer.num_experts for layer in routing.layers) * 8
+    prepass = routing.needs_prepass(plan.accum_steps, plan.data_ranks)
+    return {"step_allreduces": counts["step_allreduces"] + int(prepass),
+            "step_allreduce_bytes": counts["step_allreduce_bytes"] + counted + 16 + (counted if prepass else 0)}
+
+
+def ep_experts(plan: BatchPlan, model: nn.Module) -> List[torch.Tensor]:
+    """The parameters expert parallelism cuts (none without it)."""
+    return expert_params(model) if plan.mesh.ep > 1 else []
+
+
+def ep_forwards(cfg: Config, plan: BatchPlan, model: nn.Module) -> int:
+    """Forward passes of each MoE layer in a step: each micro-batch's, again in the counts' pass where the
+    global aux term needs it (``Routing.needs_prepass``), again in activation checkpointing's recomputation."""
+    accum = plan.accum_steps
+    prepass = routing_of(model).needs_prepass(accum, plan.data_ranks)
+    return accum * (1 + int(prepass) + int(cfg.dist.activation_checkpointing))
+
+
+def ep_comm(cfg: Config, plan: BatchPlan, model: nn.Module, counts: Dict[str, int]) -> Dict[str, int]:
+    """Expert parallelism's collectives in a step: each MoE layer's all-to-alls (``moe.ep``: 3 a forward, 2 a
+    backward), exactly; the experts' one gradient all-reduce over the edp ranks (where there are several), of
+    this rank's FP32 slices. Their bytes depend on the routing: ``ep_all_to_all_bytes_max`` bounds them."""
+    mesh, layers = plan.mesh, len(moe_layers(model))
+    out = {"all_to_alls": layers * (ep_forwards(cfg, plan, model) * FORWARD_ALL_TO_ALLS
+                                    + plan.accum_steps * BACKWARD_ALL_TO_ALLS)}
+    if mesh.expert_data_ranks > 1:
+        out["allreduces"] = counts["allreduces"] + 1
+        out["allreduce_bytes"] = counts["allreduce_bytes"] + sum(p.numel() // mesh.ep * p.element_size()
+                                                                 for p in ep_experts(plan, model))
+    return out
+
+
+def ep_all_to_all_bytes_max(cfg: Config, plan: BatchPlan, model: nn.Module) -> int:
+    """The most ``all_to_all_bytes`` one rank's step can show. Per MoE layer and forward, for N tokens a
+    micro-batch, top k, width H: the counts (E int64), the N k rows out, and back the rows its experts got,
+    N k from each of the ep ranks at most; a backward the rows' gradients both ways. Activations FP32 at most."""
+    tokens, ep = _micro_batch_tokens(cfg, plan, model), plan.mesh.ep
+    total = 0
+    for layer in moe_layers(model):
+        rows = tokens * layer.top_k * layer.experts.dim * 4
+        total += ep_forwards(cfg, plan, model) * (layer.num_experts * 8 + (1 + ep) * rows)
+        total += plan.accum_steps * (1 + ep) * rows
+    return total
 
 
 def pp_stage_groups(cfg: Config, model: nn.Module) -> List[Dict[str, Any]]:
@@ -322,7 +386,7 @@ def expected_peak_extra_bytes(cfg: Config, plan: BatchPlan, model: nn.Module, pr
     if not sharded_by_fsdp(cfg):
         return 0
     S = mesh.shard
-    units = unit_shard_bytes(cfg, model, precision, S)
+    units = unit_shard_bytes(cfg, model, precision, S, {id(p) for p in ep_experts(plan, model)})
     # A shard group of one rank computes with its shards as they are, unless they must be cast.
     gathered = [0 if S == 1 and precision.param_dtype is None else S * g for g, _ in units]
     grads = [S * r for _, r in units]
@@ -378,6 +442,12 @@ def expected_state_bytes(cfg: Config, params: List[torch.Tensor], shard: int,
     own = 2 * sum(p.numel() * p.element_size() for p in params)  # parameters and their gradients
     masters = 2 * 4 * elements if cfg.precision.name.endswith("-master") else 0
     return own + masters + 4 * _optimizer_state_elements(cfg, elements, tensors)
+
+
+def expert_state_bytes(cfg: Config, experts: List[torch.Tensor], ep: int) -> int:
+    """State of a rank's expert slices (FP32 parameter, gradient, optimizer state): 1/ep of each."""
+    local = sum(p.numel() // ep for p in experts)
+    return 4 * (2 * local + _optimizer_state_elements(cfg, local, len(experts)))
 
 
 def expected_staging_bytes(cfg: Config, params: List[torch.Tensor], buffer_bytes: int, shard: int,
@@ -487,13 +557,25 @@ def plan_numbers(cfg: Config, plan: BatchPlan, model: Optional[nn.Module] = None
     step = None if auto else expected_comm(cfg, plan, model, precision)
     mesh = plan.mesh
     cut = local_shapes(model, cfg.dist.tp)
-    state = expected_state_bytes(cfg, params, mesh.shard, cut)
+    experts = ep_experts(plan, model)
+    skip = {id(p) for p in experts}
+    # Expert slices: 1/ep of each expert tensor, whole on its rank (never cut by FSDP).
+    state = (expected_state_bytes(cfg, [p for p in params if id(p) not in skip], mesh.shard, cut)
+             + expert_state_bytes(cfg, experts, mesh.ep))
     dims = dict(COMM_DIMS["hsdp" if mesh.kind == "ddp" and mesh.tp > 1 else mesh.kind])
     if mesh.tp > 1:
         dims.update({key: "tp" for key in TP_COMM_KEYS if not key.endswith("_bytes")})
+    ep = {}
+    if mesh.ep > 1:
+        dims["all_to_alls"] = "ep"
+        if mesh.expert_data_ranks > 1:
+            dims["allreduces"] = "; ".join(filter(None, [dims.get("allreduces"), "the experts': edp"]))
+        ep = {"ep_all_to_all_bytes_max": None if auto else ep_all_to_all_bytes_max(cfg, plan, model)}
     return {
         "world_size": plan.world_size,
-        "mesh": {"kind": mesh.kind, "replicate": mesh.replicate, "shard": mesh.shard, "tp": mesh.tp, "pp": 1},
+        "mesh": {"kind": mesh.kind, "replicate": mesh.replicate, "shard": mesh.shard, "tp": mesh.tp, "pp": 1,
+                 **({"ep": mesh.ep} if mesh.ep > 1 else {})},
+        **ep,
         "comm_dims": dims,
         "micro_batch_size": None if auto else plan.micro_batch_size, "accum_steps": None if auto else plan.accum_steps,
         "global_batch_size": plan.global_batch_size,
@@ -570,7 +652,18 @@ def comm_lines(numbers: Dict[str, Any], accum_steps: Optional[int]) -> List[str]
     if tp > 1:  # the data-parallel dimensions' collectives first (the totals less tp's), then tp's
         step = {key: value - step.get(f"tp_{key}", 0) for key, value in step.items() if not key.startswith("tp_")}
         return [*_dp_comm_lines(numbers, step, kind, accum_steps), *_tp_comm_lines(numbers["step"], tp)]
-    return _dp_comm_lines(numbers, step, kind, accum_steps)
+    return [*_dp_comm_lines(numbers, step, kind, accum_steps), *_ep_comm_lines(numbers)]
+
+
+def _ep_comm_lines(numbers: Dict[str, Any]) -> List[str]:
+    ep = numbers["mesh"].get("ep", 1)
+    if ep == 1:
+        return []
+    return [f"  expert all-to-alls per optimizer step: {numbers['step']['all_to_alls']} (over each expert-parallel "
+            f"group of {ep} data ranks: each MoE layer's forward 3, its backward 2), at most "
+            f"{_mib(numbers['ep_all_to_all_bytes_max'])} (all_to_all_bytes: the routing decides); the experts' "
+            f"gradients: one all-reduce over the {numbers['world_size'] // ep} ranks holding the same experts "
+            "(in the all-reduces above) where there are several"]
 
 
 def pp_lines(numbers: Dict[str, Any]) -> List[str]:
