@@ -32,6 +32,11 @@ dist_trainer.metrics.peak_flops(device, half precision) (CUDA dense peaks;
 None on CPU); peak memory = dist_trainer.metrics.peak_mem_mb (CUDA: peak
 allocated, reset before each configuration; CPU: the process's peak resident
 set, which only grows, so later CPU rows are upper bounds).
+
+A configuration that raises is reported with its error (the traceback on
+stderr) and the next one runs; the exit status is then 1. ``--json`` is
+rewritten after every configuration, so a run stopped from outside (a time
+limit) still leaves the rows it finished.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -128,13 +134,30 @@ def run_config(env, spec: dict, tokens: Path, precision: str, compile_model: boo
               "peak_mem_mb": peak_mem_mb(env.device), "step_ms": 1000 * elapsed / steps, "warmup_s": warm_s,
               "loss": outcome.loss, "skipped": outcome.skipped, "state_mb": outcome.state_mb,
               "params": sum(p.numel() for p in model.parameters())}
-    del trainer, parts, model, source
+    return result
+
+
+def release(device, compile_model: bool) -> None:
+    """Frees what a configuration held, finished or failed, before the next one is built."""
+    import torch
+
     gc.collect()
     if compile_model:
         torch._dynamo.reset()
-    if cuda:
+    if device.type == "cuda":
         torch.cuda.empty_cache()
-    return result
+
+
+def first_line(exc: Exception) -> str:
+    """The exception's type and the first line of its message, the second too where the first ends in ':'
+    (``backend='inductor' raised:``); compiler errors run to pages."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    head = " ".join(lines[:2] if lines and lines[0].endswith(":") else lines[:1])
+    return f"{type(exc).__name__}: {head[:300]}"
+
+
+def write_json(path: str, device_name: str, spec: dict, results: list) -> None:
+    Path(path).write_text(json.dumps({"device": device_name, "spec": spec, "results": results}, indent=1))
 
 
 def main() -> None:
@@ -184,8 +207,19 @@ def main() -> None:
                             "prefetch": prefetch if strategy == "fsdp" else None, "skipped_for_time": True})
             print(f"{name} skipped: past --budget-s", flush=True)
             continue
-        r = run_config(env, spec, tokens, mode, comp, warmup, steps, strategy, ac, prefetch)
+        try:
+            r = run_config(env, spec, tokens, mode, comp, warmup, steps, strategy, ac, prefetch)
+        except Exception as exc:  # noqa: BLE001 - one configuration's failure must not cost the others' rows
+            traceback.print_exc()
+            r = {"precision": mode, "compile": comp, "strategy": strategy, "ac": ac,
+                 "prefetch": prefetch if strategy == "fsdp" else None, "error": first_line(exc)}
+        release(env.device, comp)  # after the except block: its traceback no longer holds the model
         results.append(r)
+        if args.json:
+            write_json(args.json, device_name, spec, results)
+        if "error" in r:
+            print(f"{name} FAILED: {r['error']}", flush=True)
+            continue
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         print(f"{name} {r['tokens_per_s']:12,.0f} tokens/s | MFU {mfu:>6s} | "
               f"peak {r['peak_mem_mb']:9,.0f} MiB | {r['step_ms']:8.1f} ms/step | warm-up {r['warmup_s']:5.1f} s | "
@@ -196,17 +230,20 @@ def main() -> None:
     for r in results:
         head = (f"| {r['precision']} | {'on' if r['compile'] else 'off'} | {r['strategy']} | "
                 f"{'on' if r['ac'] else 'off'} | {'' if r['prefetch'] is None else r['prefetch']} |")
-        if r.get("skipped_for_time"):
-            print(f"{head} skipped (time budget) | | | | |")
+        if r.get("skipped_for_time") or "error" in r:
+            print(f"{head} {'failed: ' + r['error'] if 'error' in r else 'skipped (time budget)'} | | | | |")
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
         print(f"{head} {r['tokens_per_s']:,.0f} | {mfu} | {r['peak_mem_mb']:,.0f} | {r['state_mb']:,.1f} | "
               f"{r['step_ms']:.1f} |")
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": device_name, "spec": spec, "results": results}, indent=1))
+        write_json(args.json, device_name, spec, results)
     scratch.cleanup()
     distributed.shutdown(env)
+    failed = [r for r in results if "error" in r]
+    if failed:
+        sys.exit(f"{len(failed)} of {len(results)} configurations failed (tracebacks above)")
 
 
 if __name__ == "__main__":
