@@ -71,12 +71,13 @@ class Router(nn.Module):
         return logits, probs, weights * self.scaling, experts
 
     def _best_groups(self, choice: torch.Tensor) -> torch.Tensor:
-        """Scores outside the ``topk_group`` best groups (each by its two best scores) set to 0."""
+        """Scores outside the ``topk_group`` best groups (each by its two best scores) set to -inf."""
         N, E = choice.shape
         groups = choice.view(N, self.n_group, E // self.n_group)
         group_scores = groups.topk(min(2, E // self.n_group), dim=-1).values.sum(dim=-1)
         keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(self.topk_group, dim=-1).indices, 1.0)
-        return (groups * keep.unsqueeze(-1)).view(N, E)
+        # -inf, not 0: with the selection bias a kept expert's score may be below 0 (DeepSeek-V3 masks so too).
+        return groups.masked_fill(keep.unsqueeze(-1) == 0, float("-inf")).view(N, E)
 
 
 class Experts(nn.Module):
@@ -139,16 +140,18 @@ class LocalDispatch:
 class MoE(nn.Module):
     """Router, routed experts, shared experts (optional); ``forward`` [B, T, H] -> [B, T, H].
 
-    ``shared_gate``: Qwen2-MoE's sigmoid gate on the shared experts' output (a ``Linear(H, 1)``)."""
+    ``shared_gate``: Qwen2-MoE's sigmoid gate on the shared experts' output (a ``Linear(H, 1)``).
+    ``shared_name``: the shared experts' attribute, which names their parameters (Qwen2-MoE: ``shared_expert``)."""
 
     def __init__(self, routing: Routing, dim: int, hidden: int, num_experts: int, top_k: int,
                  shared: Optional[nn.Module] = None, shared_gate: bool = False, act: str = "silu",
-                 **router: Any) -> None:
+                 shared_name: str = "shared_experts", **router: Any) -> None:
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         self.gate = Router(dim, num_experts, top_k, **router)
         self.experts = Experts(num_experts, dim, hidden, act)
-        self.shared_experts = shared
+        self.shared_name = shared_name
+        setattr(self, shared_name, shared)
         self.shared_expert_gate = nn.Linear(dim, 1, bias=False) if shared_gate else None
         self.routing = routing
         self.index = routing.register(self)
@@ -175,8 +178,9 @@ class MoE(nn.Module):
         out_sorted = self.dispatch(self.experts, x[token], counts)
         out_sorted = out_sorted * weights.reshape(-1)[order].unsqueeze(-1).to(out_sorted.dtype)
         out = torch.zeros_like(x).index_add_(0, token, out_sorted.to(x.dtype))
-        if self.shared_experts is not None:
-            shared = self.shared_experts(x)
+        shared_experts = getattr(self, self.shared_name)
+        if shared_experts is not None:
+            shared = shared_experts(x)
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
