@@ -9,6 +9,11 @@ holds the transformers model as ``.model``, calls it with the batch's input
 tensors, and computes the loss here from the logits: the cross-entropy summed
 in FP32 over the tokens that count (shifted labels for a causal LM, the masked
 positions for a masked LM), with the number of those tokens.
+
+A mixture-of-experts model (qwen3_moe, mixtral, olmoe, deepseek_v3, qwen2_moe)
+runs through the project's MoE layer (``moe.hf``): its balancing terms are
+``model.moe``'s, counted over the same tokens as the loss, and transformers'
+own router loss is never computed, so nothing counts twice.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ConfigError
+from ..moe import Routing, inactive_params
+from ..moe.hf import swap_moe_blocks
 
 IGNORE_INDEX = -100
 TASKS = {"causal_lm": "AutoModelForCausalLM", "masked_lm": "AutoModelForMaskedLM"}
@@ -42,9 +49,12 @@ class HFModel(nn.Module):
     """
 
     def __init__(self, model: nn.Module, task: str, tokenizer: Optional[str] = None,
-                 block_size: Optional[int] = None, chat_template: Optional[str] = None):
+                 block_size: Optional[int] = None, chat_template: Optional[str] = None,
+                 routing: Optional[Routing] = None):
         super().__init__()
         self.model = model
+        # The MoE layers' routing statistics and balancing terms (moe.routing_of finds it); None: a dense model.
+        self.routing = routing
         self.task = task
         self.tokenizer_spec = tokenizer  # written beside the weights on export
         self.chat_template = chat_template  # data=hf_chat's choice: the exported tokenizer carries the template
@@ -58,6 +68,9 @@ class HFModel(nn.Module):
         counts = {name: sum(type(m).__name__ == name for m in model.modules()) for name in declared}
         self._no_split_modules = [name for name in declared if counts[name] > 1]
         self._call_kwargs = {"use_cache": False} if task == "causal_lm" else {}
+        if routing is not None and hasattr(model.config, "output_router_logits"):
+            # The balancing terms are the MoE layers' own; transformers' router loss would count them again.
+            self._call_kwargs["output_router_logits"] = False
         self._stage_parts = _decoder_parts(model) if task == "causal_lm" else None
 
     # -- pipeline stages (dist.pp.size > 1): decoders laid out as Llama's (llama, qwen2, mistral, ...) -----------
@@ -116,6 +129,9 @@ class HFModel(nn.Module):
 
     def forward(self, batch: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         inputs = {key: batch[key] for key in MODEL_INPUTS if key in batch}
+        if self.routing is not None:  # the positions the balancing terms count: exactly those the loss counts
+            targets = self.stage_targets(batch) if self.task == "causal_lm" else self._labels(batch)
+            self.routing.token_mask = targets != IGNORE_INDEX
         logits = self.model(**inputs, **self._call_kwargs).logits
         labels = self._labels(batch)
         if self.task == "causal_lm" and "targets" not in batch:
@@ -162,9 +178,10 @@ class HFModel(nn.Module):
         return plan
 
     def flops_per_item(self) -> float:
-        """Training FLOPs per token (6 per weight, and attention's 12 * layers * width * context)."""
+        """Training FLOPs per token (6 per weight a token goes through, and attention's 12 * layers * width *
+        context): of an MoE layer the router, ``top_k`` routed experts and the shared ones."""
         cfg = self.model.config
-        weights = self.model.num_parameters(exclude_embeddings=True)
+        weights = self.model.num_parameters(exclude_embeddings=True) - inactive_params(self.model)
         layers, width = getattr(cfg, "num_hidden_layers", 0), getattr(cfg, "hidden_size", 0)
         return 6.0 * weights + 12.0 * layers * width * (self.block_size or 0)
 
@@ -219,8 +236,12 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> Dict[str, torch.Te
 def hf_model(task: str = "causal_lm", model_type: Optional[str] = None, config: Optional[Dict[str, Any]] = None,
              pretrained: Optional[str] = None, tokenizer: Optional[str] = None, block_size: Optional[int] = None,
              attn_implementation: Optional[str] = "sdpa", chat_template: Optional[str] = None,
-             lora: Optional[Dict[str, Any]] = None, load_weights: bool = True) -> HFModel:
+             lora: Optional[Dict[str, Any]] = None, load_weights: bool = True,
+             moe: Optional[Dict[str, Any]] = None) -> HFModel:
     """Build the model: from ``model_type`` and ``config`` (random weights), or from a local ``pretrained`` dir.
+
+    A mixture-of-experts model's sparse blocks become the project's MoE layer on the same tensors, with
+    ``moe``'s balancing terms (``model.moe.aux_loss``, ``z_loss``, ``bias_update``; ``moe.hf.balance_config``).
 
     ``model.config.vocab_size`` (and the eos and pad ids) follow ``tokenizer``
     (the data's, with the tokens ``chat_template`` adds for data=hf_chat)
@@ -268,9 +289,10 @@ def hf_model(task: str = "causal_lm", model_type: Optional[str] = None, config: 
             raise ConfigError(f"model.model_type={model_type}: transformers has no {TASKS[task]} for it "
                               f"({err})") from err
     _check_positions(model.config, block_size)
+    routing = swap_moe_blocks(model, moe)
     if lora and lora.get("r"):
         model = with_lora(model, task, **lora, new_tokens=added)
-    return HFModel(model, task, tokenizer, block_size, chat_template)
+    return HFModel(model, task, tokenizer, block_size, chat_template, routing)
 
 
 def with_lora(model: nn.Module, task: str, r: int, alpha: float = 16, dropout: float = 0.0,
