@@ -74,6 +74,10 @@ def checkpoint_blocks(blocks: Sequence[nn.Module]) -> None:
         forward = block.forward
 
         def checkpointed(*args: Any, _forward: Callable = forward, **kwargs: Any) -> Any:
+            if torch.compiler.is_compiling():
+                # Compiled, the backward recomputes from its own graph (this Python forward does not run again),
+                # and torch.compile takes TorchDispatchModes as context_fn, nothing else: none is passed.
+                return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
             return checkpoint(_forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 
         block.forward = checkpointed  # an instance attribute: state_dict keys are unchanged

@@ -62,6 +62,14 @@ from .state import WholeTensors, local_tensor, parameter_ties
 from .tp import apply_tp, tp_sharded
 
 
+def _param_groups(unit: FSDPModule) -> list:
+    """FSDP2's parameter groups of one unit: a list in torch 2.13; one group or None in earlier releases (2.11)."""
+    state = unit._get_fsdp_state()
+    if hasattr(state, "_fsdp_param_groups"):
+        return state._fsdp_param_groups
+    return [] if state._fsdp_param_group is None else [state._fsdp_param_group]
+
+
 class PeakMeter:
     """The peak bytes of gathered parameters and unsharded gradients, sampled while ``active``.
 
@@ -75,8 +83,7 @@ class PeakMeter:
     """
 
     def __init__(self, units: List[FSDPModule]):
-        self.params = [fp for unit in units for group in unit._get_fsdp_state()._fsdp_param_groups
-                       for fp in group.fsdp_params]
+        self.params = [fp for unit in units for group in _param_groups(unit) for fp in group.fsdp_params]
         self.active, self.peak = False, 0
 
     def held(self) -> int:
