@@ -744,8 +744,8 @@ def _validate_ep(cfg: Config, mesh: MeshShape) -> None:
            "needs a model with MoE layers (model.moe.num_experts > 0, the built-in GPT's); this one has none: "
            "set dist.ep.size=1")
     _check(experts % mesh.ep == 0, "dist.ep.size", mesh.ep,
-           f"must divide model.moe.num_experts={experts} (each rank of an expert-parallel group holds as many "
-           f"experts): one of {[d for d in _divisors(experts) if mesh.data_ranks % d == 0]}")
+           f"must divide model.moe.num_experts={experts} (each rank of an expert-parallel group holds "
+           f"num_experts / dist.ep.size of them): one of {[d for d in _divisors(experts) if mesh.data_ranks % d == 0]}")
     _check(not (mesh.strategy == "ddp" and cfg.precision.name.endswith("-master")), "precision.name",
            cfg.precision.name, f"with dist.ep.size={mesh.ep} under dist.strategy=ddp is not supported yet (the "
            "experts' FP32 masters would be whole): use a *-mixed precision, or dist.strategy=fsdp")

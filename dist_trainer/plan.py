@@ -525,10 +525,11 @@ def expected_export_bytes(mesh: MeshShape, model: nn.Module) -> int:
     at a time, so under fsdp, hsdp, tp and pp the largest one whole: an all-gather's output and input, and
     where the parameter is placed on two mesh dimensions (tp under FSDP2, even with shard groups of one) a
     second gather and the reordering of FSDP's strided shard, which DTensor runs one dimension after the
-    other: four copies at most. Under ddp nothing (rank 0 writes its own FP32 tensors as they are). An upper
+    other: four copies at most. Under ddp nothing (rank 0 writes its own FP32 tensors as they are), but for
+    expert slices (dist.ep.size), each gathered whole. An upper
     bound: memory the allocator kept from training serves part of it, so a run measures up to it."""
-    if not mesh.cuts_model:
-        return 0
+    if not mesh.cuts_model:  # but expert slices (dist.ep.size): the largest gathered whole, and its FP32 copy
+        return 2 * max((p.numel() * 4 for p in expert_params(model)), default=0) if mesh.ep > 1 else 0
     return 4 * max((t.numel() * 4 for t in [*model.parameters(), *model.buffers()]), default=0)
 
 

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import shutil
 import traceback
 
 import pytest
-import torch
 
 from dist_trainer import distributed
 from dist_trainer.config import ConfigError, EPConfig, validate
@@ -196,3 +196,50 @@ def test_mesh_says_what_each_rank_counts():
     assert [mesh.ep_rank(r) for r in range(4)] == [0, 1, 0, 1]
     assert [mesh.counts_experts(r) for r in range(4)] == [True, True, False, False]
     assert "expert-parallel groups of 2 data ranks" in mesh.describe()
+
+
+# ------------------------------------------------------------------ checkpoints across ep degrees (real launches)
+
+E2E = ["model.n_layer=2", "model.n_embd=32", "model.n_head=2", "data.block_size=32", "trainer.eval_every=0",
+       "trainer.eval_batches=1", "trainer.log_every=1", "trainer.device=cpu", "+model.bias=false",
+       "model.moe.num_experts=4", "model.moe.hidden=32", "batch.global_batch_size=8", "batch.micro_batch_size=2",
+       "optim.warmup_steps=8", "optim.schedule=constant", "optim.eps=1e-6", "trainer.ckpt_every=2",
+       "trainer.max_steps=4"]  # a constant lr after warmup: a resumed run follows the uninterrupted one's
+
+
+def _cut_at_step_2(src, dst):
+    """A copy of a finished 4-step run as it was after step 2: its step-2 checkpoint the newest."""
+    from test_checkpoint import ckpt, copy_run
+
+    copy_run(src, dst)
+    shutil.rmtree(ckpt(dst, 4))
+    (dst / "final_model.pt").unlink()
+    lines = (dst / "metrics.jsonl").read_text().splitlines()[:2]
+    (dst / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return dst
+
+
+@pytest.mark.slow  # four 2-rank launches and a one-process one, about 50 s on 2 cores
+def test_checkpoint_resumes_across_ep_degrees(tmp_path):
+    """An ep 2 checkpoint holds every expert whole under its one-process name: it resumes on one process
+    (ep 1) and under fsdp with ep 2; a ddp checkpoint without ep resumes with ep 2; each ends within 1e-5 of
+    the uninterrupted ep 2 run."""
+    from test_checkpoint import ckpt, final_params, metrics, resumed_from, run_all
+
+    ep2, ep1 = E2E + ["dist.ep.size=2"], E2E
+    first = run_all([(ep2 + [f"hydra.run.dir={tmp_path / 'ref'}"], 2),
+                     (ep1 + [f"hydra.run.dir={tmp_path / 'ep1'}"], 2)], tmp_path, timeout=240)
+    for result in first:
+        assert result.returncode == 0, result.output[-4000:]
+    ref = final_params(tmp_path / "ref")
+    assert ref["blocks.0.mlp.experts.gate_up_proj"].shape == (4, 64, 32)  # whole, as one process names it
+    assert metrics(tmp_path / "ref")[1]["all_to_alls"] == 2 * 2 * (3 + 3 + 2)  # 2 layers x 2 micro-batches
+    resumes = {"to1": (ep1, 0, "ref"), "tofsdp": (ep2 + ["dist.strategy=fsdp"], 2, "ref"), "toep2": (ep2, 2, "ep1")}
+    dirs = {name: _cut_at_step_2(tmp_path / src, tmp_path / name) for name, (_, _, src) in resumes.items()}
+    results = run_all([(args + [f"hydra.run.dir={dirs[name]}"], nproc) for name, (args, nproc, _) in
+                       resumes.items()], tmp_path, timeout=240)
+    for result, (name, run_dir) in zip(results, dirs.items()):
+        assert result.returncode == 0, result.output[-4000:]
+        assert resumed_from(result.output) == str(ckpt(run_dir, 2)), result.output[-4000:]
+        assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]
+        _assert_close(final_params(run_dir), ref, f"resumed {name}: final parameters")

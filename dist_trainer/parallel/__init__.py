@@ -10,7 +10,12 @@ The tree, top to bottom (nothing imports what is above it)::
                            optimizer state by parameter name, local shards, the whole model
                            tensor by tensor (exports)
     comm.py                the metrics keys of the collectives every strategy counts
+    dcp.py                 sharded checkpoints through DCP (fsdp, hsdp, and ddp's expert slices)
     consistency.py         dist.check_consistency_every
+
+Each strategy transforms the model in one order (torchtitan's ``parallelize``): tp, then expert parallelism
+(``moe.ep.apply_ep``: the experts cut over ``dist.ep.size`` data ranks, their gradients reduced by it, outside
+DDP and FSDP), then activation checkpointing and compile per block, then DDP or FSDP.
 
 A strategy is chosen once, at build time, on the mesh ``validate`` derived
 (``config.MeshShape``), and answers the few questions the optimizer step asks,
