@@ -23,7 +23,8 @@ with ``dist.fsdp.prefetch`` 1 (the default) and 0 (on one GPU: the cost of the
 wrapping of a world of one; a shard group of one rank gathers nothing, so the
 prefetch rows can only show that it costs nothing there, the overlap it buys
 needs several GPUs) and ddp bf16-master with activation checkpointing, eager
-and compiled (memory saved, time spent).
+and compiled (memory saved, time spent); then (``--moe=none`` leaves them out) the GPT with 8 experts a
+layer, top 2, under the global and the sequence aux scope (the cost of the global term's counting pass).
 
 Per configuration: ``--warmup`` steps (compilation happens there), then
 ``--steps`` timed steps; tokens/s = tokens / (wall time of the timed steps,
@@ -58,9 +59,15 @@ MODES = ("bf16-mixed", "bf16-master", "fp16-master")
 # and compiled.
 EXTRA = (("bf16-master", "fsdp", False, 1), ("bf16-master", "fsdp", False, 0), ("bf16-master", "ddp", True, 1))
 FULL = {"model": dict(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768, dropout=0.0),
-        "micro": 16, "warmup": 3, "steps": 15}
+        "micro": 16, "warmup": 3, "steps": 15,
+        "moe": {"num_experts": 8, "top_k": 2, "hidden": 1536}}
 SMOKE = {"model": dict(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64, dropout=0.0),
-         "micro": 4, "warmup": 1, "steps": 1}
+         "micro": 4, "warmup": 1, "steps": 1, "moe": {"num_experts": 4, "top_k": 2, "hidden": 128}}
+# Mixture-of-experts rows (--moe=none leaves them out): the same GPT with every MLP a layer of 8 SwiGLU experts
+# (2 a token, hidden 1536: a token goes through 1.5 times the dense 4 x 768 MLP's weights),
+# bf16-master, eager, micro-batches of half the size accumulated twice, so the global aux term's counting pass
+# (one forward more per micro-batch) runs: its cost is the global row against the sequence row, which needs none.
+MOE_SCOPES = ("global", "sequence")
 
 
 def write_token_file(path: Path, spec: dict, samples: int) -> Path:
@@ -74,7 +81,7 @@ def write_token_file(path: Path, spec: dict, samples: int) -> Path:
 
 
 def run_config(env, spec: dict, tokens: Path, precision: str, compile_model: bool, warmup: int, steps: int,
-               strategy: str = "ddp", checkpointing: bool = False, prefetch: int = 1) -> dict:
+               strategy: str = "ddp", checkpointing: bool = False, prefetch: int = 1, moe_scope: str = "") -> dict:
     import torch
 
     from dist_trainer.config import (BatchConfig, Config, DistConfig, FSDPConfig, OptimConfig, PrecisionConfig,
@@ -84,10 +91,15 @@ def run_config(env, spec: dict, tokens: Path, precision: str, compile_model: boo
     from dist_trainer.run import build, to_device
 
     cuda = env.device.type == "cuda"
-    cfg = Config(model={"_target_": "dist_trainer.models.GPT", **spec["model"]},
+    model_cfg = {"_target_": "dist_trainer.models.GPT", **spec["model"]}
+    micro, accum = spec["micro"], 1
+    if moe_scope:  # half the micro-batch, twice: the step has two micro-batches
+        model_cfg["moe"] = {**spec["moe"], "aux_loss": {"coef": 0.01, "scope": moe_scope}}
+        micro, accum = spec["micro"] // 2, 2
+    cfg = Config(model=model_cfg,
                  data={"_target_": "dist_trainer.data.tokens.token_file", "path": str(tokens), "dtype": "uint16",
                        "block_size": spec["model"]["block_size"], "vocab_size": spec["model"]["vocab_size"]},
-                 batch=BatchConfig(micro_batch_size=spec["micro"], accum_steps=1),
+                 batch=BatchConfig(micro_batch_size=micro, accum_steps=accum),
                  precision=PrecisionConfig(name=precision), optim=OptimConfig(lr=6e-4, grad_clip=1.0),
                  trainer=TrainerConfig(max_steps=warmup + steps, device=env.device.type, compile=compile_model),
                  dist=DistConfig(strategy=strategy, activation_checkpointing=checkpointing,
@@ -129,6 +141,7 @@ def run_config(env, spec: dict, tokens: Path, precision: str, compile_model: boo
     peak = peak_flops(env.device, trainer.precision.autocast_dtype is not None)
     mfu = model.flops_per_item() * tokens_per_s / peak if peak else None
     result = {"precision": precision, "compile": compile_model, "strategy": strategy, "ac": checkpointing,
+              "moe_scope": moe_scope or None,
               "prefetch": prefetch if strategy == "fsdp" else None,
               "tokens_per_s": tokens_per_s, "mfu": mfu,
               "peak_mem_mb": peak_mem_mb(env.device), "step_ms": 1000 * elapsed / steps, "warmup_s": warm_s,
@@ -169,6 +182,8 @@ def main() -> None:
                         help="the fsdp and activation-checkpointing rows after the grid")
     parser.add_argument("--warmup", type=int, help="steps before timing (default 3; smoke 1)")
     parser.add_argument("--steps", type=int, help="timed steps (default 15; smoke 1)")
+    parser.add_argument("--moe", choices=("all", "none"), default="all",
+                        help="the mixture-of-experts rows after the others (global and sequence aux scopes)")
     parser.add_argument("--budget-s", type=float, default=400.0,
                         help="stop starting new configurations after this many seconds (the rest are reported as skipped)")
     parser.add_argument("--json", help="also write the results to this file")
@@ -193,22 +208,24 @@ def main() -> None:
           f"n_embd={m['n_embd']} block={m['block_size']} vocab={m['vocab_size']}; micro {spec['micro']} x "
           f"accum 1; {warmup} warm-up + {steps} timed steps per configuration", flush=True)
     compiles = {"both": (False, True), "off": (False,), "on": (True,)}[args.compile]
-    configs = [(mode, c, "ddp", False, 1) for mode in args.modes.split(",") for c in compiles]
-    configs += ([(mode, c, strategy, ac, prefetch) for mode, strategy, ac, prefetch in EXTRA for c in compiles]
+    configs = [(mode, c, "ddp", False, 1, "") for mode in args.modes.split(",") for c in compiles]
+    configs += ([(mode, c, strategy, ac, prefetch, "") for mode, strategy, ac, prefetch in EXTRA for c in compiles]
                 if args.extra == "all" else [])
+    configs += ([("bf16-master", False, "ddp", False, 1, scope) for scope in MOE_SCOPES] if args.moe == "all" else [])
     scratch = tempfile.TemporaryDirectory(prefix="gpu-bench-")
     tokens = write_token_file(Path(scratch.name) / "train.bin", spec, (warmup + steps) * spec["micro"])
     results = []
-    for mode, comp, strategy, ac, prefetch in configs:
+    for mode, comp, strategy, ac, prefetch, scope in configs:
         name = (f"{mode:12s} compile={'on ' if comp else 'off'} {strategy:4s} ac={'on ' if ac else 'off'}"
-                + (f" prefetch={prefetch}" if strategy == "fsdp" else "           "))
+                + (f" prefetch={prefetch}" if strategy == "fsdp" else "           ")
+                + (f" moe aux={scope}" if scope else ""))
         if time.perf_counter() - t0 > args.budget_s:
             results.append({"precision": mode, "compile": comp, "strategy": strategy, "ac": ac,
                             "prefetch": prefetch if strategy == "fsdp" else None, "skipped_for_time": True})
             print(f"{name} skipped: past --budget-s", flush=True)
             continue
         try:
-            r = run_config(env, spec, tokens, mode, comp, warmup, steps, strategy, ac, prefetch)
+            r = run_config(env, spec, tokens, mode, comp, warmup, steps, strategy, ac, prefetch, scope)
         except Exception as exc:  # noqa: BLE001 - one configuration's failure must not cost the others' rows
             traceback.print_exc()
             r = {"precision": mode, "compile": comp, "strategy": strategy, "ac": ac,
@@ -224,12 +241,13 @@ def main() -> None:
         print(f"{name} {r['tokens_per_s']:12,.0f} tokens/s | MFU {mfu:>6s} | "
               f"peak {r['peak_mem_mb']:9,.0f} MiB | {r['step_ms']:8.1f} ms/step | warm-up {r['warmup_s']:5.1f} s | "
               f"loss {r['loss']:.4f}{' SKIPPED STEP' if r['skipped'] else ''}", flush=True)
-    print("\n| precision | torch.compile | strategy | activation ckpt | prefetch | tokens/s | MFU | "
+    print("\n| precision | torch.compile | strategy | activation ckpt | prefetch | MoE aux scope | tokens/s | MFU | "
           "peak memory (MiB) | state_mb | step (ms) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         head = (f"| {r['precision']} | {'on' if r['compile'] else 'off'} | {r['strategy']} | "
-                f"{'on' if r['ac'] else 'off'} | {'' if r['prefetch'] is None else r['prefetch']} |")
+                f"{'on' if r['ac'] else 'off'} | {'' if r['prefetch'] is None else r['prefetch']} | "
+                f"{r.get('moe_scope') or ''} |")
         if r.get("skipped_for_time") or "error" in r:
             print(f"{head} {'failed: ' + r['error'] if 'error' in r else 'skipped (time budget)'} | | | | |")
             continue
