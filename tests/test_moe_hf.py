@@ -330,7 +330,7 @@ def test_the_steps_hold_uneven_tokens_and_the_aux_term_moves_the_gradients(runs)
     items = [o["items"] for o in ref["outcomes"]]
     assert items[0] < GLOBAL * 23 and items[-1] < items[0]  # padding ignored, the steps' token counts differ
     first = ref["outcomes"][0]["moe"]
-    assert first["aux_loss"] > 0.01 and first["z_loss"] > 0  # about coef a layer at the least: top-k takes the likeliest
+    assert first["aux_loss"] > 0.01 and first["z_loss"] > 0  # about coef a layer at least: top-k takes the likeliest
     assert [sum(row) for row in first["expert_tokens"]] == [2 * items[0]] * 2  # each counted token: top_k experts
     coef0 = _rec(one, "qwen3_moe/coef0")
     assert coef0["outcomes"][0]["moe"]["aux_loss"] == 0.0
