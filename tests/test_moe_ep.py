@@ -243,3 +243,30 @@ def test_checkpoint_resumes_across_ep_degrees(tmp_path):
         assert resumed_from(result.output) == str(ckpt(run_dir, 2)), result.output[-4000:]
         assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]
         _assert_close(final_params(run_dir), ref, f"resumed {name}: final parameters")
+
+
+# ------------------------------------------------------------------ ep 2 x 2 expert-data-parallel ranks
+
+@pytest.fixture(scope="module")
+def runs4(tmp_path_factory):
+    one = in_one_process(_worker, _jobs(1)[:1])
+    jobs = [("shared0/ddp4", ep_config(2, 2)), ("shared0/fsdp4", ep_config(1, 2, "fsdp"))]
+    return one, launch_clean(_worker, 4, tmp_path_factory.mktemp("ep4"), jobs)
+
+
+@pytest.mark.slow  # 4 ranks on 2 cores
+@pytest.mark.parametrize("name", ["shared0/ddp4", "shared0/fsdp4"])
+def test_four_ranks_reduce_experts_over_their_edp_group(runs4, name):
+    """4 ranks x 1 micro-batch of 2 (ddp) or 4 x 2 x 1 (fsdp), ep 2: each expert on 2 ranks, its gradient summed
+    over them (one all-reduce, in the plan) and divided by the 4 data ranks: one process x 8 within SCALE_TOL."""
+    one, four = runs4
+    ref = _rec(one, "shared0/ref")
+    for rank in range(4):
+        got = _rec(four[rank], name)
+        _assert_close(got["grads"][0], ref["grads"][0], f"ep2x2 {name} rank {rank} grads step 1")
+        _assert_close(got["params"][-1], ref["params"][-1], f"ep2x2 {name} rank {rank} params step {STEPS}")
+        for a, b in zip(got["outcomes"], ref["outcomes"]):
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=SCALE_TOL)  # each expert counted once
+        comm = dict(got["outcomes"][1]["comm"])
+        comm.pop("all_to_all_bytes")
+        assert comm == got["plan"]["step"] and "the experts': edp" in got["plan"]["comm_dims"]["allreduces"]
