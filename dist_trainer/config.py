@@ -739,6 +739,8 @@ def _validate_ep(cfg: Config, mesh: MeshShape) -> None:
     if mesh.ep == 1:
         return
     moe = cfg.model.get("moe")
+    if isinstance(moe, dict) and "num_experts" not in moe:
+        return  # a Hugging Face MoE model brings its experts: moe.ep checks them once it is built
     experts = (moe.get("num_experts") or 0) if isinstance(moe, dict) else 0
     _check(isinstance(experts, int) and experts > 0, "dist.ep.size", mesh.ep,
            "needs a model with MoE layers (model.moe.num_experts > 0, the built-in GPT's); this one has none: "

@@ -251,3 +251,16 @@ def test_resume_with_moe_is_bit_identical(tmp_path):
     bias = torch.load(ref / "final_model.pt", weights_only=True)["blocks.0.mlp.gate.e_score_correction_bias"]
     # Three updates of +-rate or 0: an expert given other than the mean load each time ends off zero.
     assert bias.abs().max().item() >= 0.01 - 1e-7  # the biases moved, and moved alike in both runs
+
+
+def test_eval_batches_in_lockstep_where_a_forward_is_a_collective():
+    """Under expert parallelism every forward is an all-to-all: each rank evaluates as many batches as the others
+    (5 held-out samples, micro-batches of 2, 2 ranks: 2 and 1 batches, in lockstep 1 and 1)."""
+    from dist_trainer.data.loader import eval_loader
+
+    data = [{"x": torch.tensor([float(i)])} for i in range(5)]
+    free = [len(eval_loader(data, 2, 10, rank, 2, 0)) for rank in range(2)]
+    lockstep = [[b["x"].flatten().tolist() for b in eval_loader(data, 2, 10, rank, 2, 0, lockstep=True)]
+                for rank in range(2)]
+    assert free == [2, 1]
+    assert lockstep == [[[0.0, 2.0]], [[1.0, 3.0]]]

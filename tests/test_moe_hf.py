@@ -30,7 +30,7 @@ from torch.utils.data import Dataset
 pytest.importorskip("transformers")
 
 from dist_trainer import distributed  # noqa: E402
-from dist_trainer.config import (BatchConfig, Config, ConfigError, DistConfig, OptimConfig,  # noqa: E402
+from dist_trainer.config import (BatchConfig, Config, ConfigError, DistConfig, EPConfig, OptimConfig,  # noqa: E402
                                  PrecisionConfig, TrainerConfig, validate)
 from dist_trainer.data import epoch_batches  # noqa: E402
 from dist_trainer.models.construct import materialise, record  # noqa: E402
@@ -233,7 +233,7 @@ class PaddedText(Dataset):
         return {"input_ids": item["input_ids"], "attention_mask": (positions <= valid).long()}
 
 
-def _split_config(model_type: str, micro: int, strategy: str = "ddp", moe: dict = MOE) -> Config:
+def _split_config(model_type: str, micro: int, strategy: str = "ddp", moe: dict = MOE, ep: int = 1) -> Config:
     data = ({"_target_": f"{__name__}.PaddedText", "block_size": 24} if model_type == "qwen3_moe" else
             {"_target_": "test_accumulation.unbalanced_text", "block_size": 24, "steps": 1})
     return Config(
@@ -246,7 +246,7 @@ def _split_config(model_type: str, micro: int, strategy: str = "ddp", moe: dict 
         optim=OptimConfig(name="adamw", lr=3e-3, weight_decay=0.1, warmup_steps=2, schedule="cosine",
                           grad_clip=None, eps=1e-6),
         trainer=TrainerConfig(max_steps=STEPS, log_every=1, eval_every=0),
-        dist=DistConfig(strategy=strategy),
+        dist=DistConfig(strategy=strategy, ep=EPConfig(size=ep)),
     )
 
 
@@ -255,7 +255,10 @@ def _jobs(world: int) -> list:
         return [(f"{mt}/ref", _split_config(mt, GLOBAL), STEPS) for mt in ("qwen3_moe", "mixtral")] + [
             ("qwen3_moe/coef0", _split_config("qwen3_moe", GLOBAL, moe={**MOE, "aux_loss": {"coef": 0.0}}), 1)]
     return [(f"{mt}/{strategy}-{split}", _split_config(mt, micro, strategy), STEPS)
-            for mt in ("qwen3_moe", "mixtral") for strategy in ("ddp", "fsdp") for split, micro in SPLITS.items()]
+            for mt in ("qwen3_moe", "mixtral") for strategy in ("ddp", "fsdp") for split, micro in SPLITS.items()] + [
+        # The swapped blocks are the project's layer: expert parallelism cuts a Hugging Face model's experts too.
+        ("qwen3_moe/ep2-2x2x2", _split_config("qwen3_moe", 2, "ddp", ep=2), STEPS),
+        ("mixtral/ep2-fsdp-2x4x1", _split_config("mixtral", 4, "fsdp", ep=2), STEPS)]
 
 
 def _run_job(env, world_size: int, cfg: Config, steps: int) -> dict:

@@ -257,9 +257,14 @@ def epoch_batches(dataset: Dataset, step_plan: StepPlan, epoch: int, start_step:
 
 
 def eval_loader(dataset: Dataset, micro_batch_size: int, max_batches: int, rank: int,
-                world_size: int, num_workers: int) -> DataLoader:
-    """The first ``max_batches`` micro-batches per rank of the held-out split, in order."""
+                world_size: int, num_workers: int, lockstep: bool = False) -> DataLoader:
+    """The first ``max_batches`` micro-batches per rank of the held-out split, in order.
+
+    ``lockstep``: every rank the same number of batches, the split cut to a multiple of the ranks (at most
+    ``world_size - 1`` samples fewer): where a forward is a collective (expert parallelism's all-to-alls)."""
     count = min(len(dataset), max_batches * micro_batch_size * world_size)
+    if lockstep:
+        count -= count % world_size
     indices = list(range(rank, count, world_size))  # no padding: nothing counted twice
     batches = [indices[i:i + micro_batch_size] for i in range(0, len(indices), micro_batch_size)]
     return DataLoader(dataset, batch_sampler=batches, num_workers=num_workers, generator=_own_generator(-1, rank),
