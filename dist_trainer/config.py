@@ -340,7 +340,7 @@ class MeshShape:
     def counts_experts(self, rank: int) -> bool:
         """Whether ``rank``'s expert gradients count in the global norm: each expert once, in the first
         expert-parallel group (the others hold copies)."""
-        return self.data_rank(rank) < self.ep
+        return self.data_rank(rank) < self.ep and rank % self.tp == 0  # tp ranks hold the same experts whole
 
     @property
     def cuts_model(self) -> bool:
@@ -718,6 +718,9 @@ def _validate_moe(cfg: Config) -> None:
     from .moe.routing import BalanceConfig  # the one reader of the balancing keys
 
     BalanceConfig.from_dict(moe)
+    capacity = moe.get("capacity_factor")
+    _check(capacity is None or (isinstance(capacity, (int, float)) and not isinstance(capacity, bool) and capacity > 0),
+           "model.moe.capacity_factor", capacity, "must be null (no token dropped) or a number > 0")
     experts = moe.get("num_experts") or 0
     if not experts:
         return
@@ -727,11 +730,6 @@ def _validate_moe(cfg: Config) -> None:
            f"must be between 1 and model.moe.num_experts ({experts})")
     _check(moe.get("router", "softmax") in ("softmax", "sigmoid"), "model.moe.router", moe.get("router"),
            "choose softmax or sigmoid")
-    _check(cfg.dist.pp.size == 1, "dist.pp.size", cfg.dist.pp.size,
-           "must be 1 with MoE layers (model.moe.num_experts > 0) for now: pipeline stages do not carry the "
-           "balancing terms' token mask between stages yet")
-    _check(cfg.dist.tp.size == 1, "dist.tp.size", cfg.dist.tp.size,
-           "must be 1 with MoE layers (model.moe.num_experts > 0) for now: use fsdp or hsdp to shard the experts")
 
 
 def _validate_ep(cfg: Config, mesh: MeshShape) -> None:

@@ -178,16 +178,16 @@ def expected_comm(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Pre
 
 
 def moe_step_allreduces(plan: BatchPlan, model: nn.Module, counts: Dict[str, int]) -> Dict[str, int]:
-    """MoE layers' share of the step's own all-reduces (``moe.Routing``): their expert counts by layer and the
-    aux and z sums ride the step's all-reduce (float64); the counts' pass, where the global aux term needs it,
+    """MoE layers' share of the step's own all-reduces (``moe.Routing``): their expert counts by layer, the
+    aux and z sums and the dropped choices by layer ride the step's all-reduce (float64, ``Routing.slots``); the counts' pass, where the global aux term needs it,
     all-reduces its counts once more."""
     routing = routing_of(model)
     if not routing.layers:
         return {}
-    counted = len(routing.layers) * max(layer.num_experts for layer in routing.layers) * 8
+    counted = len(routing.layers) * routing.num_experts * 8  # the counts' pass all-reduces the counts alone
     prepass = routing.needs_prepass(plan.accum_steps, plan.data_ranks)
     return {"step_allreduces": counts["step_allreduces"] + int(prepass),
-            "step_allreduce_bytes": counts["step_allreduce_bytes"] + counted + 16 + (counted if prepass else 0)}
+            "step_allreduce_bytes": counts["step_allreduce_bytes"] + routing.slots() * 8 + (counted if prepass else 0)}
 
 
 def ep_experts(plan: BatchPlan, model: nn.Module) -> List[torch.Tensor]:

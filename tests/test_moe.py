@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 import traceback
 
 import pytest
@@ -223,7 +224,8 @@ def test_bad_moe_keys_name_the_key():
     base = moe_config(32)
     for moe, key in (({**MOE, "top_k": 5}, "model.moe.top_k"), ({**MOE, "router": "relu"}, "model.moe.router"),
                      ({**MOE, "aux_loss": {"coef": 0.01, "scope": "batch"}}, "model.moe.aux_loss.scope"),
-                     ({**MOE, "z_loss": {"coef": -1.0}}, "model.moe.z_loss.coef")):
+                     ({**MOE, "z_loss": {"coef": -1.0}}, "model.moe.z_loss.coef"),
+                     ({**MOE, "capacity_factor": 0}, "model.moe.capacity_factor")):
         cfg = dataclasses.replace(base, model={**base.model, "moe": moe})
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             validate(cfg, 1)
@@ -264,3 +266,46 @@ def test_eval_batches_in_lockstep_where_a_forward_is_a_collective():
                 for rank in range(2)]
     assert free == [2, 1]
     assert lockstep == [[[0.0, 2.0]], [[1.0, 3.0]]]
+
+
+def test_capacity_drops_the_last_valid_choices_of_a_full_expert_and_counts_them():
+    """model.moe.capacity_factor: an expert takes its first ceil(f x valid tokens x k / E) valid choices in token
+    order (padding only where room is left); a dropped choice adds nothing; a large factor changes nothing."""
+    from dist_trainer.moe import BalanceConfig, MoE, Routing
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 12, 16)
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[0, :4] = False  # padding: counts nowhere, displaces nothing
+    outputs = {}
+    for factor in (None, 50.0, 1.0):
+        torch.manual_seed(1)
+        routing = Routing(BalanceConfig())
+        layer = MoE(routing, 16, 8, 4, 2, capacity_factor=factor)
+        routing.begin_step(torch.device("cpu"))
+        routing.token_mask = mask
+        outputs[factor] = (layer(x), routing.take_totals(routing.local_stats(1.0).tolist(), 20.0)["dropped_tokens"])
+    assert torch.equal(outputs[50.0][0], outputs[None][0]) and outputs[50.0][1] == 0
+    # The reference, token by token: which choices fit, then each token's sum over the choices it kept.
+    flat = x.reshape(-1, 16)
+    _, _, weights, experts = layer.gate(flat)
+    valid = mask.reshape(-1)
+    capacity = math.ceil(1.0 * int(valid.sum()) * 2 / 4)
+    taken = [int(((experts == e) & valid[:, None]).sum()) for e in range(4)]  # valid choices first
+    seen, padding_seen, want, dropped = [0] * 4, [0] * 4, torch.zeros_like(flat), 0
+    for t in range(flat.shape[0]):
+        for j in range(2):
+            e = int(experts[t, j])
+            if valid[t]:
+                keep, seen[e] = seen[e] < capacity, seen[e] + 1
+                dropped += not keep
+            else:
+                keep, padding_seen[e] = taken[e] + padding_seen[e] < capacity, padding_seen[e] + 1
+            if keep:
+                w_gu, w_d = layer.experts.gate_up_proj[e], layer.experts.down_proj[e]
+                gate, up = (flat[t] @ w_gu.T).chunk(2)
+                want[t] += weights[t, j] * ((torch.nn.functional.silu(gate) * up) @ w_d.T)
+    got, got_dropped = outputs[1.0]
+    assert dropped > 0 and got_dropped == dropped
+    assert scaled_error(got.reshape(-1, 16), want) < 1e-6
+    assert scaled_error(outputs[None][0], got) > 1e-3  # the drops changed the output

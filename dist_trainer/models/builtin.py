@@ -153,6 +153,8 @@ class GPT(nn.Module):
         self.routing = Routing(BalanceConfig.from_dict(moe)) if self.moe else None
         layer = (lambda: moe_layer(self.routing, self.moe)) if self.moe else None  # noqa: E731
         self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, bias, layer) for _ in range(n_layer))
+        if self.moe:  # tensor parallelism cuts the attention only; each MoE layer runs whole on every tp rank
+            self.tp_plan = {**{k: v for k, v in GPT.tp_plan.items() if ".mlp." not in k}, "blocks.*.mlp": "replicate"}
         self.ln_f = nn.LayerNorm(n_embd, bias=bias)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # weight tying
@@ -263,7 +265,7 @@ def moe_options(moe: Optional[Dict[str, Any]], n_embd: int) -> Optional[Dict[str
     return {"dim": n_embd, "hidden": hidden, "num_experts": experts, "top_k": int(moe.get("top_k", 2)),
             "shared_hidden": shared * hidden,
             "score": str(moe.get("router", "softmax")), "norm_topk": bool(moe.get("norm_topk", True)),
-            "selection_bias": bias_rate > 0}
+            "selection_bias": bias_rate > 0, "capacity_factor": moe.get("capacity_factor")}
 
 
 def moe_layer(routing: Routing, options: Dict[str, Any]) -> MoE:

@@ -71,7 +71,9 @@ def swap_moe_blocks(model: nn.Module, moe: Optional[Mapping[str, Any]] = None) -
             raise ConfigError(f"model.moe.bias_update.rate={routing.cfg.bias_rate}: {type(block).__name__} has no "
                               "selection bias to move (DeepSeek-V3's e_score_correction_bias); set it to 0")
         parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent), attr, moe_layer(block, config, routing))
+        layer = moe_layer(block, config, routing)
+        layer.capacity_factor = dict(moe or {}).get("capacity_factor")  # model.moe.capacity_factor (null: none)
+        setattr(model.get_submodule(parent), attr, layer)
     return routing
 
 

@@ -145,9 +145,13 @@ class MoE(nn.Module):
 
     def __init__(self, routing: Routing, dim: int, hidden: int, num_experts: int, top_k: int,
                  shared: Optional[nn.Module] = None, shared_gate: bool = False, act: str = "silu",
-                 shared_name: str = "shared_experts", **router: Any) -> None:
+                 shared_name: str = "shared_experts", capacity_factor: Optional[float] = None,
+                 **router: Any) -> None:
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
+        # None: no token dropped. Else each expert takes at most ceil(factor x valid tokens x top_k / E) of a
+        # micro-batch's choices on this rank (``within_capacity``).
+        self.capacity_factor = capacity_factor
         self.gate = Router(dim, num_experts, top_k, **router)
         self.experts = Experts(num_experts, dim, hidden, act)
         self.shared_name = shared_name
@@ -172,11 +176,16 @@ class MoE(nn.Module):
         terms = self.routing.observe(self.index, logits, probs, experts, mask, shape[0] if hidden.ndim == 3 else 1)
         # Sort the (token, choice) pairs by expert, stably: each expert's rows in token order.
         flat = experts.reshape(-1)
-        order = flat.argsort(stable=True)
+        if self.capacity_factor is None:
+            pair = flat.argsort(stable=True)
+        else:  # the pairs within capacity only; a dropped choice adds nothing to its token's output
+            kept = self.within_capacity(flat, mask).nonzero().squeeze(-1)
+            pair = kept[flat[kept].argsort(stable=True)]
+            flat = flat[kept]
         counts = torch.bincount(flat, minlength=self.num_experts)
-        token = order // self.top_k
+        token = pair // self.top_k
         out_sorted = self.dispatch(self.experts, x[token], counts)
-        out_sorted = out_sorted * weights.reshape(-1)[order].unsqueeze(-1).to(out_sorted.dtype)
+        out_sorted = out_sorted * weights.reshape(-1)[pair].unsqueeze(-1).to(out_sorted.dtype)
         out = torch.zeros_like(x).index_add_(0, token, out_sorted.to(x.dtype))
         shared_experts = getattr(self, self.shared_name)
         if shared_experts is not None:
@@ -187,6 +196,22 @@ class MoE(nn.Module):
         if terms is not None and torch.is_grad_enabled():
             out = AttachLoss.apply(out, terms, self.routing)
         return out.view(shape)
+
+    @torch.no_grad()
+    def within_capacity(self, flat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Which (token, choice) pairs an expert takes: the first ``capacity`` of its valid ones in token order,
+        then padding's while room is left (so padding never displaces a token that counts). Counts the valid
+        choices dropped (``Routing.drop``). Per micro-batch and rank: the drops depend on the split."""
+        k, E = self.top_k, self.num_experts
+        valid = mask.repeat_interleave(k)
+        capacity = math.ceil(self.capacity_factor * int(mask.sum()) * k / E)
+        order = (flat * 2 + (~valid).long()).argsort(stable=True)  # by expert, valid first, then token order
+        ranked = flat[order]
+        first = torch.bincount(flat, minlength=E).cumsum(0) - torch.bincount(flat, minlength=E)
+        position = torch.arange(flat.numel(), device=flat.device) - first[ranked]
+        keep = torch.empty_like(valid).scatter_(0, order, position < capacity)
+        self.routing.drop(self.index, int((valid & ~keep).sum()))
+        return keep
 
     def active_params(self) -> int:
         """Parameters one token goes through: the router, ``top_k`` routed experts, the shared ones."""

@@ -91,6 +91,7 @@ class Routing:
         self.prepass = False
         self.totals: dict = {}  # the last step's, summed over ranks (take_totals)
         self._counts: Optional[torch.Tensor] = None
+        self._dropped: List[int] = []  # valid choices a capacity dropped in the step, by layer
         self._terms: Optional[torch.Tensor] = None  # this rank's aux and z sums in the step
 
     def register(self, layer: Any) -> int:
@@ -110,6 +111,7 @@ class Routing:
     def begin_step(self, device: torch.device) -> None:
         self._counts = torch.zeros(len(self.layers), self.num_experts, dtype=torch.float64, device=device)
         self._terms = torch.zeros(2, dtype=torch.float64, device=device)
+        self._dropped = [0] * len(self.layers)
         self.window_counts, self.counting = None, True
 
     def count_window(self, forward: Callable[[Any], Any], batches: Sequence[Any], counted: Sequence[bool],
@@ -131,9 +133,14 @@ class Routing:
         all_reduce(counts)
         self.window_counts = counts
 
+    def slots(self) -> int:
+        """How many float64 slots ``local_stats`` adds to the step's all-reduce."""
+        return len(self.layers) * (self.num_experts + 1) + 2
+
     def local_stats(self, share: float) -> torch.Tensor:
         """This rank's slots of the step's all-reduce: counts by layer and expert, then the aux and z sums."""
-        return torch.cat([self._counts.flatten(), self._terms]) * share
+        dropped = torch.tensor(self._dropped, dtype=torch.float64, device=self._terms.device)
+        return torch.cat([self._counts.flatten(), self._terms, dropped]) * share
 
     def take_totals(self, values: Sequence[float], items: float) -> dict:
         """The step's figures from the summed slots (equal however the step was split)."""
@@ -141,12 +148,14 @@ class Routing:
         counts = torch.tensor(values[:L * E], dtype=torch.float64).view(L, E)
         self._counts = counts.to(self._counts.device)  # the global counts: what the bias update reads
         aux, z = values[L * E:L * E + 2]
+        dropped = values[L * E + 2:L * E + 2 + L]
         mean = counts.mean(dim=1).clamp(min=1e-12)
         self.totals = {
             "aux_loss": aux / items if items > 0 else 0.0, "z_loss": z / items if items > 0 else 0.0,
             "expert_tokens": [[int(round(c)) for c in row] for row in counts.tolist()],
             "expert_load_max": float((counts.max(dim=1).values / mean).max()),  # the busiest expert / the mean
             "dead_experts": int((counts == 0).sum()),
+            "dropped_tokens": int(round(sum(dropped))),  # choices a capacity dropped, all layers (0: none)
         }
         return self.totals
 
@@ -162,6 +171,11 @@ class Routing:
                 bias += (self.cfg.bias_rate * torch.sign(counts.mean() - counts)).to(bias)
 
     # -- per MoE layer forward ---------------------------------------------------------------------------------
+
+    def drop(self, index: int, dropped: int) -> None:
+        """A layer's valid choices dropped by its capacity in one micro-batch (once: not in recomputation)."""
+        if self._counts is not None and not self.prepass and not recomputing():
+            self._dropped[index] += dropped
 
     def mask(self, tokens: int, device: torch.device) -> torch.Tensor:
         if not self.counting:
@@ -223,6 +237,10 @@ class NoRouting:
 
     def begin_step(self, device: torch.device) -> None:
         pass
+
+    def slots(self) -> int:
+        """How many float64 slots ``local_stats`` adds to the step's all-reduce."""
+        return len(self.layers) * (self.num_experts + 1) + 2
 
     def local_stats(self, share: float) -> torch.Tensor:
         return torch.zeros(0, dtype=torch.float64)
