@@ -230,6 +230,18 @@ def ep_all_to_all_bytes_max(cfg: Config, plan: BatchPlan, model: nn.Module) -> i
     return total
 
 
+def ep_all_to_all_bytes_balanced(cfg: Config, plan: BatchPlan, model: nn.Module) -> int:
+    """``all_to_all_bytes`` of one rank's step where every expert gets its share of the rows (the balance the
+    balancing terms pull towards): per MoE layer and forward the counts, the N k rows out and N k back; a backward
+    the same rows' gradients both ways. FP32 rows, as the bound counts them."""
+    tokens = _micro_batch_tokens(cfg, plan, model)
+    total = 0
+    for layer in moe_layers(model):
+        rows = tokens * layer.top_k * layer.experts.dim * 4
+        total += ep_forwards(cfg, plan, model) * (layer.num_experts * 8 + 2 * rows) + plan.accum_steps * 2 * rows
+    return total
+
+
 def pp_stage_groups(cfg: Config, model: nn.Module) -> List[Dict[str, Any]]:
     """Per stage group (pp rank): its stages, their blocks, and the parameters of each FSDP unit it holds
     (each held block's, then each stage's root: the first stage's embedding, the last's norm and head, a tied
@@ -571,7 +583,8 @@ def plan_numbers(cfg: Config, plan: BatchPlan, model: Optional[nn.Module] = None
         dims["all_to_alls"] = "ep"
         if mesh.expert_data_ranks > 1:
             dims["allreduces"] = "; ".join(filter(None, [dims.get("allreduces"), "the experts': edp"]))
-        ep = {"ep_all_to_all_bytes_max": None if auto else ep_all_to_all_bytes_max(cfg, plan, model)}
+        ep = {"ep_all_to_all_bytes_max": None if auto else ep_all_to_all_bytes_max(cfg, plan, model),
+              "ep_all_to_all_bytes_balanced": None if auto else ep_all_to_all_bytes_balanced(cfg, plan, model)}
     return {
         "world_size": plan.world_size,
         "mesh": {"kind": mesh.kind, "replicate": mesh.replicate, "shard": mesh.shard, "tp": mesh.tp, "pp": 1,
@@ -661,7 +674,8 @@ def _ep_comm_lines(numbers: Dict[str, Any]) -> List[str]:
     if ep == 1:
         return []
     return [f"  expert all-to-alls per optimizer step: {numbers['step']['all_to_alls']} (over each expert-parallel "
-            f"group of {ep} data ranks: each MoE layer's forward 3, its backward 2), at most "
+            f"group of {ep} data ranks: each MoE layer's forward 3, its backward 2), "
+            f"{_mib(numbers['ep_all_to_all_bytes_balanced'])} with every expert given its share, at most "
             f"{_mib(numbers['ep_all_to_all_bytes_max'])} (all_to_all_bytes: the routing decides); the experts' "
             f"gradients: one all-reduce over the {numbers['world_size'] // ep} ranks holding the same experts "
             "(in the all-reduces above) where there are several"]
