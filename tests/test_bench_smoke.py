@@ -22,9 +22,12 @@ def test_gpu_benchmark_smoke_runs_every_row(tmp_path):
     assert {("bf16-mixed", "ddp", False), ("bf16-master", "ddp", False), ("fp16-master", "ddp", False),
             ("bf16-master", "fsdp", False), ("bf16-master", "ddp", True)} == rows
     assert sorted(r["prefetch"] for r in results if r["strategy"] == "fsdp") == [0, 1]  # dist.fsdp.prefetch off, on
+    # the mixture-of-experts rows: the global aux term (its counting pass) and the sequence one
+    assert sorted(r["moe_scope"] for r in results if r["moe_scope"]) == ["global", "sequence"]
     for r in results:
         assert r["tokens_per_s"] > 0 and r["state_mb"] > 0 and not r["skipped"], r
     fsdp = next(r for r in results if (r["precision"], r["strategy"], r["ac"], r["prefetch"]) == ("bf16-master", "fsdp", False, 1))
-    ddp = next(r for r in results if (r["precision"], r["strategy"], r["ac"]) == ("bf16-master", "ddp", False))
+    ddp = next(r for r in results if (r["precision"], r["strategy"], r["ac"], r["moe_scope"]) ==
+               ("bf16-master", "ddp", False, None))
     # one rank: fsdp holds FP32 parameters (the masters) and no half copy; ddp holds both
     assert fsdp["state_mb"] < ddp["state_mb"]
