@@ -342,3 +342,34 @@ def test_the_steps_hold_uneven_tokens_and_the_aux_term_moves_the_gradients(runs)
     assert diff > 1e-3
     mixtral = _rec(one, "mixtral/ref")["outcomes"]
     assert mixtral[0]["moe"]["aux_loss"] > 0.01 and mixtral[0]["items"] != mixtral[-1]["items"]
+
+
+@pytest.mark.slow
+def test_an_expert_parallel_run_exports_hf_model_that_transformers_loads_with_equal_logits(tmp_path):
+    """2 ranks, fsdp with ep 2 (each rank holds half of every layer's experts): hf_model/ holds every expert whole
+    under transformers' names, equal to final_model.pt, and transformers' logits equal the project's model's."""
+    import transformers
+
+    from helpers import run_module
+
+    run_dir = tmp_path / "run"
+    config = {"hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2,
+              "head_dim": 8}
+    proc = run_module(["model=hf_causal_lm", "model.model_type=qwen3_moe",
+                       *[f"+model.config.{k}={v}" for k, v in config.items()], "data.block_size=32",
+                       "batch.micro_batch_size=4", "batch.global_batch_size=16", "trainer.max_steps=3",
+                       "trainer.eval_every=0", "dist.strategy=fsdp", "dist.ep.size=2", f"hydra.run.dir={run_dir}"],
+                      tmp_path, timeout=400, torchrun_nproc=2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "hf_model", dtype=torch.float32)
+    final = {k[len("model."):]: v for k, v in torch.load(run_dir / "final_model.pt", weights_only=True).items()}
+    state = theirs.state_dict()
+    assert state.keys() == final.keys() and state["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 4
+    for name, value in state.items():
+        assert torch.equal(value, final[name]), name
+    ours = hf_model("causal_lm", pretrained=str(run_dir / "hf_model"), block_size=32)
+    ids = torch.randint(0, 200, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = theirs.eval()(input_ids=ids).logits, ours.model.eval()(input_ids=ids).logits
+    assert_close_scaled(got, want, "logits", SAME_OPS_TOL)
