@@ -7,9 +7,7 @@ micro-batch: the recomputation runs the same tensor operations again, and only s
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from typing import Iterator
 
 _state = threading.local()
 
@@ -18,10 +16,12 @@ def recomputing() -> bool:
     return getattr(_state, "depth", 0) > 0
 
 
-@contextlib.contextmanager
-def recomputation() -> Iterator[None]:
-    _state.depth = getattr(_state, "depth", 0) + 1
-    try:
-        yield
-    finally:
+class recomputation:
+    """The context of one recomputed forward. A class, not a generator: a schedule that splits the backward
+    (zero bubble: inputs', then weights' gradients) may enter the same context once for each part."""
+
+    def __enter__(self) -> None:
+        _state.depth = getattr(_state, "depth", 0) + 1
+
+    def __exit__(self, *exc: object) -> None:
         _state.depth -= 1
