@@ -210,7 +210,8 @@ class Trainer:
 
     def _forward_only(self, batch: Any) -> None:
         """A micro-batch's forward without gradients, as the step runs it (the MoE counts' pass)."""
-        with self.precision.autocast():
+        # evaluation(): under tp the vocabulary-sharded loss; under fsdp nothing left gathered after it
+        with self.strategy.evaluation(), self.precision.autocast():
             self.model(batch)
 
     def _pipeline_window(self, batches: List[Any], window: Window, scale: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -162,10 +162,14 @@ class ExpertParallel:
         if not layers:
             raise ConfigError(f"dist.ep.size={mesh.ep}: the model has no MoE layer whose experts it could split; "
                               "set dist.ep.size=1")
-        if mesh.data_ranks != mesh.world_size:
-            raise ConfigError(f"dist.ep.size={mesh.ep} combines with data parallelism only (dist.tp.size=1, "
-                              "dist.pp.size=1)")
-        root = init_device_mesh(device_type, (mesh.expert_data_ranks, mesh.ep), mesh_dim_names=("edp", "ep"))
+        if mesh.pp > 1:
+            raise ConfigError(f"dist.ep.size={mesh.ep} combines with data and tensor parallelism only "
+                              "(dist.pp.size=1)")
+        # Under tp each tp rank runs the MoE layers whole (tp.py's replicate): the ep and edp groups are made of
+        # the data ranks' tp ranks of one index (tp innermost, as config.MeshShape numbers the ranks), and the
+        # tp ranks of a group issue the same all-to-alls, each within its own ep group.
+        dims = (("edp", mesh.expert_data_ranks), ("ep", mesh.ep), *((("tp", mesh.tp),) * (mesh.tp > 1)))
+        root = init_device_mesh(device_type, tuple(n for _, n in dims), mesh_dim_names=tuple(d for d, _ in dims))
         self.ep_mesh = root["ep"]
         self.edp_group = root["edp"].get_group() if mesh.expert_data_ranks > 1 else None
         self.counter = AllToAllCounter()

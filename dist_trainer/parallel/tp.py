@@ -13,7 +13,12 @@ name) to a style:
   a reduce-scatter onto sequence shards.
 * ``sequence_parallel``: a norm (or dropout) that runs on this rank's shard of
   the sequence between the parallel regions. Nothing under ``sequence_parallel=false``.
-* ``replicate``: left whole on every rank.
+* ``replicate``: left whole on every rank, and run whole: every rank computes the same output from the same
+  whole input (a mixture-of-experts layer: its router and experts are not cut). Under sequence parallelism its
+  input is gathered from the sequence shards (an all-gather) and its output cut back to this rank's shard (a
+  slice; backward all-gathers its gradient). Its parameters are plain tensors, whole on each rank; each rank
+  computes their whole gradient, so nothing sums them over the tp group (FSDP2 reduces them over the data
+  ranks only), and the gradient norm counts them on the group's first rank.
 
 Where several column-wise layers read the same input (queries, keys, values),
 their parent gathers it once (under sequence parallelism) and hands them one
@@ -49,8 +54,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel, loss_parallel,
-                                               parallelize_module)
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInputOutput, RowwiseParallel,
+                                               SequenceParallel, loss_parallel, parallelize_module)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..config import ConfigError, TPConfig
@@ -279,6 +284,10 @@ def _style(module: nn.Module, style: str, is_head: bool, cfg: TPConfig, parent_g
         return RowwiseParallel(output_layouts=stream)
     if style == "sequence_parallel" and sp:
         return SequenceParallel()
+    if style == "replicate" and sp:  # run whole between sequence shards: gathered in, cut back out
+        return PrepareModuleInputOutput(input_layouts=SEQUENCE, desired_input_layouts=Replicate(),
+                                        use_local_input=True, output_layouts=Replicate(),
+                                        desired_output_layouts=SEQUENCE, use_local_output=True)
     return None
 
 
