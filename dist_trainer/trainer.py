@@ -148,6 +148,9 @@ class Trainer:
         self.pipeline = getattr(strategy, "run_window", None)
         # MoE layers' routing statistics and balancing terms (a NoRouting for a dense model).
         self.routing = routing_of(self.module)
+        # Its counts and balancing sums are of this rank's MoE layers (a pipeline stage holds its own only), so
+        # they count on one rank of each (stage, data rank) group: the first of its tensor-parallel group.
+        self.routing_share = float(plan.mesh is None or env.rank % plan.mesh.tp == 0)
 
     def train_step(self, batches: List[Any], window: Window, step: int,
                    stop_requested: Callable[[], bool] = lambda: False, data_time_s: float = 0.0,
@@ -189,7 +192,7 @@ class Trainer:
         items = torch.zeros((), dtype=torch.float64, device=self.env.device)
         if self.routing.needs_prepass(len(window), self.plan.data_ranks):  # the step's expert counts, first
             self.routing.count_window(self._forward_only, batches, [bool(ix) for ix in window],
-                                      lambda counts: self._all_reduce(counts.mul_(self.batch_share)), self.env.device)
+                                      self._reduce_counts, self.env.device)
         for i, (batch, indices) in enumerate(zip(batches, window)):
             last = i == len(window) - 1
             self.routing.counting = bool(indices)  # a placeholder's tokens route, but count nowhere
@@ -220,8 +223,19 @@ class Trainer:
         if self.loss_divisor is None:
             self.loss_divisor = self._first_divisor(self.strategy.items_of(batches[0]) * float(counted[0]))
         self.item_form = True
+        self.routing.grad_scale = scale / self.loss_divisor  # the balancing terms': each micro-batch loss's factor
+        if self.routing.needs_prepass(len(window), self.plan.data_ranks):  # the step's expert counts, first
+            # The stages run the window as one: each sets its micro-batches' token masks (placeholders' empty).
+            self.routing.count_window(
+                lambda whole: self.strategy.forward_window(whole, counted, self.precision.autocast,
+                                                           self.plan.accum_steps, self.plan.micro_batch_size),
+                [batches], [True], self._reduce_counts, self.env.device)
         return self.pipeline(batches, counted, scale / self.loss_divisor, self.precision.autocast,
                              self.plan.accum_steps, self.plan.micro_batch_size)
+
+    def _reduce_counts(self, counts: torch.Tensor) -> None:
+        """The counting pass's expert counts summed over ranks, each layer's once per data rank."""
+        self._all_reduce(counts.mul_(self.routing_share))
 
     def _all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
         """The trainer's own all-reduce, counted."""
@@ -269,7 +283,7 @@ class Trainer:
             stats[B + 4 * world + self.env.rank] = self.strategy.pp_schedule_s
             stats[B + 5 * world + self.env.rank] = self.strategy.pp_inflight
         # MoE: the step's expert counts and balancing sums ride along (none for a dense model).
-        stats = torch.cat([stats, self.routing.local_stats(share).to(stats.device)])
+        stats = torch.cat([stats, self.routing.local_stats(self.routing_share).to(stats.device)])
         self._all_reduce(stats)
         values = stats.tolist()  # the step's one host sync
         pp = values[B + 3 * world:own]  # pipeline stages' slots (none without)

@@ -51,6 +51,8 @@ from torch.distributed.tensor import DTensor
 from ..checkpoint import load_shards
 from ..config import ConfigError, DistConfig, MeshShape
 from ..distributed import DistEnv
+from ..moe import routing_of
+from ..moe.ep import NoExperts
 from ..optim import decay_split
 from ..precision import Precision, frozen_names
 from .blocks import find_blocks, prepare_blocks
@@ -140,9 +142,18 @@ class StageModule(nn.Module):
         self.held = nn.ModuleList(held)
         self._blocks = list(blocks)
         object.__setattr__(self, "_model", model)  # not a child: its names are the model's, not the view's
-        # The micro-batch the schedule runs (set by the stage before each forward) and the window's side inputs
-        # (attention masks, position ids: each stage's rank reads them from its own copy of the batch).
-        self.chunk, self.side = 0, []
+        # The micro-batch the schedule runs (``select``) and the window's side inputs (attention masks, position
+        # ids: each stage's rank reads them from its own copy of the batch) and, with MoE layers, each
+        # micro-batch's positions that count (its targets != -100).
+        self.chunk, self.side, self.masks = 0, [], []
+
+    def select(self, chunk: int) -> None:
+        """The micro-batch this stage runs next: before its forward, and before its backward, in which activation
+        checkpointing recomputes the forward (after other micro-batches' forwards) and must see the same mask.
+        A placeholder's targets are all ignored: its mask is empty, so it counts nowhere."""
+        self.chunk = chunk
+        if self.masks:
+            routing_of(self._model).token_mask = self.masks[chunk]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         side = self.side[self.chunk] if self.side else None
@@ -188,14 +199,17 @@ class _CountingStage(PipelineStage):
             self.counts["inflight"] = max(self.counts["inflight"], live)
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        self.submod.chunk = fwd_chunk_id  # the micro-batch whose side inputs the stage's forward takes
+        self.submod.select(fwd_chunk_id)  # the micro-batch whose side inputs and token mask the forward takes
         return self._timed(lambda: super(_CountingStage, self).forward_one_chunk(fwd_chunk_id, *args, **kwargs))
 
-    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        return self._timed(lambda: super(_CountingStage, self).backward_one_chunk(*args, **kwargs))
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        self.submod.select(bwd_chunk_id)  # activation checkpointing recomputes this micro-batch's forward
+        return self._timed(lambda: super(_CountingStage, self).backward_one_chunk(bwd_chunk_id, *args, **kwargs))
 
-    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        return self._timed(lambda: super(_CountingStage, self).backward_weight_one_chunk(*args, **kwargs))
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        self.submod.select(bwd_chunk_id)
+        return self._timed(lambda: super(_CountingStage, self).backward_weight_one_chunk(bwd_chunk_id, *args,
+                                                                                          **kwargs))
 
 
 def _pad(ids: torch.Tensor, targets: torch.Tensor, side: Dict[str, torch.Tensor], rows: int,
@@ -418,6 +432,11 @@ class PipelineStrategy(FSDPStrategy):
         if materialise is not None:  # each rank allocates and initialises the shards of its own stages only
             materialise(model)
         self.units: List[FSDPModule] = [m for v in self.views for m in v.modules() if isinstance(m, FSDPModule)]
+        # Every expert is FSDP's here: expert parallelism is not cut into stages.
+        if mesh.ep > 1:
+            raise ConfigError(f"dist.ep.size={mesh.ep} with dist.pp.size={pp}: pipeline stages do not hold expert "
+                              "slices; set dist.ep.size=1")
+        self.ep = NoExperts()
         self.meter, self.counter = count_units(self.units, mesh.replicate)
         self.model = self.module = model
         self.weights = ShardedWeights(model)
@@ -506,10 +525,7 @@ class PipelineStrategy(FSDPStrategy):
         ``micro_batch_size`` are the plan's (a full step's shape, also when this step is a short one). Returns
         the window's summed loss and items on the last stage's ranks (zeros elsewhere), float64.
         """
-        if self.schedule is None:
-            self.accum_steps, self.micro_batch_size = accum_steps, micro_batch_size
-            self.seq_len = getattr(self.model, "block_size", None) or batches[0]["input_ids"].shape[1]
-            self._build(self.seq_len)
+        self._build_once(batches, accum_steps, micro_batch_size)
         inputs, targets = self._window(batches, counted)
         self._losses, self._loss_factor = [], factor
         began, compute0 = time.perf_counter(), self.counts["compute_s"]
@@ -523,6 +539,22 @@ class PipelineStrategy(FSDPStrategy):
             self._check_weight_pass()
         self._sum_tied_grads()
         return self._totals(self._losses)
+
+    def _build_once(self, batches: List[Any], accum_steps: int, micro_batch_size: int) -> None:
+        if self.schedule is None:
+            self.accum_steps, self.micro_batch_size = accum_steps, micro_batch_size
+            self.seq_len = getattr(self.model, "block_size", None) or batches[0]["input_ids"].shape[1]
+            self._build(self.seq_len)
+
+    def forward_window(self, batches: List[Any], counted: List[bool], autocast: Callable[[], Any],
+                       accum_steps: int, micro_batch_size: int) -> None:
+        """Every micro-batch of the window forward through this rank's stages, in order, with no loss: the MoE
+        layers' counting pass (``Routing.count_window``, which runs it without gradients). Its sends and
+        receives are counted with the step's."""
+        self._build_once(batches, accum_steps, micro_batch_size)
+        inputs, targets = self._window(batches, counted)
+        with self.evaluation(), autocast(), self._tp_context(count=False):  # nothing left gathered after it
+            self._forward_only(inputs, targets, loss=False)
 
     def _check_weight_pass(self) -> None:
         """torch's zero-bubble weight pass computes gradients for the parameters that its backward to the input
@@ -557,8 +589,9 @@ class PipelineStrategy(FSDPStrategy):
             inputs.append(ids)
             targets.append(tgt)
             sides.append(side)
+        masks = [t != IGNORE_INDEX for t in targets] if routing_of(self.model).layers else []
         for view in self.views:
-            view.side = sides if any(sides) else []
+            view.side, view.masks = sides if any(sides) else [], masks
         return torch.cat(inputs), torch.cat(targets)
 
     def items_of(self, batch: Any) -> torch.Tensor:
@@ -608,8 +641,9 @@ class PipelineStrategy(FSDPStrategy):
             losses += self._losses
         return self._totals(losses)
 
-    def _forward_only(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
-        """Every micro-batch forward through this rank's stages in stage order, the last stage's loss recorded.
+    def _forward_only(self, inputs: torch.Tensor, targets: torch.Tensor, loss: bool = True) -> None:
+        """Every micro-batch forward through this rank's stages in stage order, the last stage's loss recorded
+        (``loss``; else the sends and receives counted: the MoE counting pass is part of the step).
         torch's zero-bubble runtime cannot run forward alone (at the V's turn it hands a backward over in eval
         too). Each stage waits only for a lower one, so the ranks cannot wait on each other in a circle."""
         n = self.accum_steps
@@ -629,18 +663,26 @@ class PipelineStrategy(FSDPStrategy):
                 else:
                     x = torch.empty(self.stream_shape, dtype=self.stream_dtype, device=self.env.device)
                     dist.recv(x, src=peer(s - 1), group=self.pp_group)
-                view.chunk = m
+                    self._count_p2p("recv", x, not loss)
+                view.select(m)
                 y = view(x)
                 if s == self.n_stages - 1:
-                    self._loss(y, ts[m])
+                    if loss:
+                        self._loss(y, ts[m])
                 elif s + 1 in self.stage_ids:
                     outputs.append(y)
                 else:
                     y = y.contiguous()
                     sent.append((dist.isend(y, dst=peer(s + 1), group=self.pp_group), y))
+                    self._count_p2p("send", y, not loss)
             here = outputs
         for work, _ in sent:
             work.wait()
+
+    def _count_p2p(self, kind: str, tensor: torch.Tensor, count: bool) -> None:
+        if count:
+            self.counts[f"p2p_{kind}s"] += 1
+            self.counts[f"p2p_{kind}_bytes"] += tensor.numel() * tensor.element_size()
 
     def comm(self) -> Dict[str, int]:
         counts = super().comm()  # FSDP's collectives and, under tp, the activations'
