@@ -197,6 +197,28 @@ def set_timeout(seconds: float, groups: list) -> None:
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
 
 
-def shutdown(env: DistEnv) -> None:
+def shutdown(env: DistEnv, finished: bool = False) -> None:
+    """Destroy the process group; after a finished run, only once every rank is past its last collective.
+
+    A rank that tears the gloo group down while a peer is still completing the
+    last collective can make that peer abort at exit (SIGABRT, "terminate
+    called without an active exception") after all its work is done. The
+    store, not the group, says when every rank has arrived, so the wait itself
+    leaves nothing in flight on the group. After a failure nothing waits: a
+    peer may be gone.
+    """
     if env.owns_group and dist.is_initialized():
+        if finished and env.world_size > 1:
+            _store_barrier(env.world_size)
         dist.destroy_process_group()
+
+
+def _store_barrier(world_size: int, timeout_s: float = 120.0) -> None:
+    """Wait until every rank has reached this point (counted on the default group's store)."""
+    store = dist.distributed_c10d._get_default_store()
+    key = f"{attempt_prefix() or 'dist_trainer'}/finished"
+    arrived = store.add(key, 1)
+    deadline = time.monotonic() + timeout_s
+    while arrived < world_size and time.monotonic() < deadline:  # past the deadline: tear down anyway
+        time.sleep(0.01)
+        arrived = store.add(key, 0)

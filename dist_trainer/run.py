@@ -119,8 +119,11 @@ def train(cfg: Config, run_dir: Path) -> Dict[str, Any]:
         if env.is_main:
             log.info("host malloc: %s", "freed blocks kept for reuse (trainer.tune_malloc=false to keep the "
                      "system's settings)" if tuned else f"left as set ({hostmem.user_choice() or 'not glibc'})")
+    finished = False
     try:
-        return _train(cfg, plan, env, Path(run_dir), watch)
+        summary = _train(cfg, plan, env, Path(run_dir), watch)
+        finished = True
+        return summary
     except BaseException as err:
         if watchdog.is_collective_failure(err):
             watch.collective_failed(err)  # names the step, the collective and who did not arrive; exits
@@ -131,7 +134,7 @@ def train(cfg: Config, run_dir: Path) -> Dict[str, Any]:
     finally:
         watch.close()
         gc.collect()
-        distributed.shutdown(env)
+        distributed.shutdown(env, finished)
 
 
 @dataclass
