@@ -258,7 +258,17 @@ def _jobs(world: int) -> list:
             for mt in ("qwen3_moe", "mixtral") for strategy in ("ddp", "fsdp") for split, micro in SPLITS.items()] + [
         # The swapped blocks are the project's layer: expert parallelism cuts a Hugging Face model's experts too.
         ("qwen3_moe/ep2-2x2x2", _split_config("qwen3_moe", 2, "ddp", ep=2), STEPS),
-        ("mixtral/ep2-fsdp-2x4x1", _split_config("mixtral", 4, "fsdp", ep=2), STEPS)]
+        ("mixtral/ep2-fsdp-2x4x1", _split_config("mixtral", 4, "fsdp", ep=2), STEPS),
+        # tp 2: the attention cut, each MoE layer whole on both tp ranks (the plan's replicate), with and
+        # without sequence parallelism; one data rank, 2 micro-batches of 4.
+        ("mixtral/tp2-sp-1x4x2", _tp_config("mixtral", 4, sp=True), STEPS),
+        ("mixtral/tp2-nosp-1x4x2", _tp_config("mixtral", 4, sp=False), STEPS)]
+
+
+def _tp_config(model_type: str, micro: int, sp: bool) -> Config:
+    cfg = _split_config(model_type, micro)
+    cfg.dist.tp = dataclasses.replace(cfg.dist.tp, size=2, sequence_parallel=sp)
+    return cfg
 
 
 def _run_job(env, world_size: int, cfg: Config, steps: int) -> dict:
