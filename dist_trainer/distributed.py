@@ -217,8 +217,9 @@ def _store_barrier(world_size: int, timeout_s: float = 120.0) -> None:
     """Wait until every rank has reached this point (counted on the default group's store)."""
     store = dist.distributed_c10d._get_default_store()
     key = f"{attempt_prefix() or 'dist_trainer'}/finished"
-    arrived = store.add(key, 1)
-    deadline = time.monotonic() + timeout_s
-    while arrived < world_size and time.monotonic() < deadline:  # past the deadline: tear down anyway
-        time.sleep(0.01)
-        arrived = store.add(key, 0)
+    if store.add(key, 1) == world_size:  # the last to arrive tells the others
+        store.set(f"{key}/all", "1")
+    try:
+        store.wait([f"{key}/all"], timedelta(seconds=timeout_s))
+    except RuntimeError:  # past the deadline: tear down anyway
+        pass

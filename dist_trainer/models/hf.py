@@ -165,8 +165,9 @@ class HFModel(nn.Module):
         names = {id(m): name for name, m in self.model.named_modules()}
         plan = {f"model.{self.model.base_model_prefix}.{pattern}": style.split("_")[0]
                 for pattern, style in base.items()}
-        if self.routing is not None and self.routing.layers:  # MoE: each block's mlp (experts, router, or a dense one) run whole
-            plan = {k: v for k, v in plan.items() if ".mlp." not in k}  # on every tp rank, as the built-in GPT's
+        if self.routing is not None and self.routing.layers:
+            # MoE: each block's mlp (router and experts, or a dense one) runs whole on every tp rank, as the GPT's.
+            plan = {k: v for k, v in plan.items() if ".mlp." not in k}
             plan[f"model.{self.model.base_model_prefix}.layers.*.mlp"] = "replicate"
         base_model = getattr(self.model, self.model.base_model_prefix)
         for name, module in base_model.named_modules():  # the norms: on sequence shards under sequence parallelism
