@@ -127,7 +127,7 @@ class FSDPConfig:
     reshard_after_forward: Optional[bool] = None  # deprecated: true is reshard=micro_batch, false reshard=forward
 
 
-TP_STYLES = ("colwise", "rowwise", "sequence_parallel", "replicate")
+TP_STYLES = ("colwise", "rowwise", "sequence_parallel", "replicate", "head_norm")
 
 
 @dataclass

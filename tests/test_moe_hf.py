@@ -198,6 +198,17 @@ def test_coefficients_from_the_configuration_and_bad_keys():
     assert isinstance(model.model, transformers.MixtralForCausalLM)
 
 
+def test_tp_plans_of_the_families():
+    """qwen3_moe's per-head norms are head_norm (not sequence shards), its mlp whole; OLMoE's norm over the whole
+    projection is refused by name rather than cut wrong."""
+    plan = _ours("qwen3_moe").tp_plan
+    assert plan["model.model.layers.*.self_attn.q_norm"] == plan["model.model.layers.*.self_attn.k_norm"] == "head_norm"
+    assert plan["model.model.layers.*.mlp"] == "replicate" and plan["model.model.norm"] == "sequence_parallel"
+    assert not any(".mlp." in k for k in plan)
+    with pytest.raises(ConfigError, match=r"dist\.tp\.size.*olmoe.*q_proj"):
+        _ours("olmoe").tp_plan
+
+
 def test_flops_count_active_parameters():
     model = _ours("qwen3_moe")
     H, I, E, k, L = 32, 24, 8, 2, 2
@@ -261,8 +272,12 @@ def _jobs(world: int) -> list:
         ("mixtral/ep2-fsdp-2x4x1", _split_config("mixtral", 4, "fsdp", ep=2), STEPS),
         # tp 2: the attention cut, each MoE layer whole on both tp ranks (the plan's replicate), with and
         # without sequence parallelism; one data rank, 2 micro-batches of 4.
+        # qwen3_moe's q_norm/k_norm run on each rank's heads (head_norm), their gradients summed over tp: without
+        # the sum (a plain replicated norm) the run without sequence parallelism is off.
         ("mixtral/tp2-sp-1x4x2", _tp_config("mixtral", 4, sp=True), STEPS),
-        ("mixtral/tp2-nosp-1x4x2", _tp_config("mixtral", 4, sp=False), STEPS)]
+        ("mixtral/tp2-nosp-1x4x2", _tp_config("mixtral", 4, sp=False), STEPS),
+        ("qwen3_moe/tp2-sp-1x4x2", _tp_config("qwen3_moe", 4, sp=True), STEPS),
+        ("qwen3_moe/tp2-nosp-1x4x2", _tp_config("qwen3_moe", 4, sp=False), STEPS)]
 
 
 def _tp_config(model_type: str, micro: int, sp: bool) -> Config:

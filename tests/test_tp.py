@@ -72,6 +72,15 @@ def _qwen2(micro: int, glob: int = GLOBAL):
     return cfg
 
 
+def _qwen3(micro: int, glob: int = GLOBAL):
+    """Qwen3: q_norm and k_norm over each head's features, on each tp rank's heads (head_norm)."""
+    from test_hf_models import LLAMA, causal_model
+
+    cfg = _gpt(micro, glob)
+    cfg.model = causal_model("qwen3", {**LLAMA, "vocab_size": 256, "head_dim": 8})
+    return cfg
+
+
 def _end(micro: int):
     return mlp_config(micro, n=73)  # step 3 holds 9 samples: short micro-batches and placeholders
 
@@ -102,6 +111,7 @@ def _jobs2() -> list:
     jobs += [("master", master, 1), ("plan/k3", _tp(_gpt(8, 24)), 2), ("plan/ac", ac, 2), ("plan/bf16-mixed", mixed, 2),
              ("plan/no-loss-parallel", _tp(_gpt(8, 24), loss_parallel=False), 2),
              ("plan/nosp/k3", _tp(_gpt(8, 24), sp=False), 2), ("plan/llama/k3", _tp(_llama(8, 24), sp=False), 2),
+             ("plan/qwen3/k3", _tp(_qwen3(8, 24), sp=False), 2), ("plan/qwen3/sp/k3", _tp(_qwen3(8, 24)), 2),
              ("vocab261", _clip(_tp(_vocab(_gpt(8)))), STEPS),
              ("plan/vocab261/no-loss-parallel", _tp(_vocab(_gpt(8, 24)), loss_parallel=False), 2)]
     return jobs

@@ -34,6 +34,10 @@ TASKS = {"causal_lm": "AutoModelForCausalLM", "masked_lm": "AutoModelForMaskedLM
 # model._target_ of this builder: its path, and the one configurations and checkpoints of earlier releases name.
 TARGETS = ("dist_trainer.models.hf.hf_model", "dist_trainer.hf.models.hf_model")
 # The batch keys passed on to the model; labels are ours (the loss is computed here).
+# Hugging Face's tp styles by this project's names; others are the two cuts they start with (colwise_rep, rowwise_rep).
+HF_STYLES = {"replicated_with_grad_allreduce": "head_norm"}
+# Projections Hugging Face gathers whole after the cut (OLMoE's q_proj/k_proj, for a norm over all heads): no style here.
+WHOLE_PROJECTION_STYLES = ("colwise_gather_output", "rowwise_split_input")
 MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
 
 
@@ -156,14 +160,20 @@ class HFModel(nn.Module):
         the norms (classes named ``*Norm``) ``sequence_parallel``.
 
         A head tied to the input embedding (one weight) cuts the embedding by vocabulary rows
-        too. Styles Hugging Face spells out further (``colwise_rep``, ``rowwise_rep``) are the two
-        cuts; a plan of a peft model (LoRA adapters) is not known: None.
+        too. Qwen3's per-head ``q_norm``/``k_norm`` (``replicated_with_grad_allreduce``) are ``head_norm``;
+        styles Hugging Face spells out further (``colwise_rep``, ``rowwise_rep``) are the two cuts; a plan of a peft model (LoRA adapters) is not known: None.
         """
         base = dict(getattr(self.model.config, "base_model_tp_plan", None) or {})
         if not base or not hasattr(self.model, "base_model_prefix") or hasattr(self.model, "peft_config"):
             return None
+        gathered = sorted(p for p, style in base.items() if style in WHOLE_PROJECTION_STYLES)
+        if gathered:
+            raise ConfigError(f"dist.tp.size: {self.model.config.model_type}'s attention normalises each whole "
+                              f"projection across its heads ({', '.join(gathered)}: Hugging Face gathers them "
+                              "whole), which this project's tensor parallelism does not cut; set dist.tp.size=1 "
+                              "(fsdp, and dist.ep.size for the experts), or give dist.tp.plan a plan of your own")
         names = {id(m): name for name, m in self.model.named_modules()}
-        plan = {f"model.{self.model.base_model_prefix}.{pattern}": style.split("_")[0]
+        plan = {f"model.{self.model.base_model_prefix}.{pattern}": HF_STYLES.get(style, style.split("_")[0])
                 for pattern, style in base.items()}
         if self.routing is not None and self.routing.layers:
             # MoE: each block's mlp (router and experts, or a dense one) runs whole on every tp rank, as the GPT's.
@@ -173,7 +183,7 @@ class HFModel(nn.Module):
         for name, module in base_model.named_modules():  # the norms: on sequence shards under sequence parallelism
             if name and type(module).__name__.endswith("Norm"):
                 pattern = ".".join("*" if part.isdigit() else part for part in name.split("."))
-                plan[f"model.{self.model.base_model_prefix}.{pattern}"] = "sequence_parallel"
+                plan.setdefault(f"model.{self.model.base_model_prefix}.{pattern}", "sequence_parallel")
         head, embedding = self.model.get_output_embeddings(), self.model.get_input_embeddings()
         if head is not None and id(head) in names:
             plan[f"model.{names[id(head)]}"] = "colwise"

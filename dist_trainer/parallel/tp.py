@@ -19,6 +19,11 @@ name) to a style:
   slice; backward all-gathers its gradient). Its parameters are plain tensors, whole on each rank; each rank
   computes their whole gradient, so nothing sums them over the tp group (FSDP2 reduces them over the data
   ranks only), and the gradient norm counts them on the group's first rank.
+* ``head_norm``: a norm over each attention head's features, between a column-wise projection and attention
+  (Qwen3's ``q_norm`` and ``k_norm``; Hugging Face's ``replicated_with_grad_allreduce``). It runs on this
+  rank's heads, as they come out of the cut projection, with its weight whole on every rank; each rank's
+  gradient of the weight is its heads' part, summed over the tp ranks where the gradients are reduced (one
+  all-reduce, as a sequence-parallel norm's), with or without sequence parallelism.
 
 Where several column-wise layers read the same input (queries, keys, values),
 their parent gathers it once (under sequence parallelism) and hands them one
@@ -80,7 +85,7 @@ def resolve_plan(model: nn.Module, cfg: TPConfig) -> Dict[str, str]:
     if not patterns:
         raise ConfigError(f"dist.tp.size={cfg.size}: {type(model).__name__} declares no tensor-parallel plan "
                           "(tp_plan, or a Hugging Face configuration's base_model_tp_plan); set dist.tp.plan to a "
-                          "mapping of module-name patterns to colwise, rowwise, sequence_parallel or replicate")
+                          "mapping of module-name patterns to colwise, rowwise, sequence_parallel, replicate or head_norm")
     names = [name for name, _ in model.named_modules() if name]
     resolved: Dict[str, str] = {}
     for pattern, style in patterns.items():
@@ -284,11 +289,29 @@ def _style(module: nn.Module, style: str, is_head: bool, cfg: TPConfig, parent_g
         return RowwiseParallel(output_layouts=stream)
     if style == "sequence_parallel" and sp:
         return SequenceParallel()
+    if style == "head_norm":
+        return _HeadNorm()
     if style == "replicate" and sp:  # run whole between sequence shards: gathered in, cut back out
         return PrepareModuleInputOutput(input_layouts=SEQUENCE, desired_input_layouts=Replicate(),
                                         use_local_input=True, output_layouts=Replicate(),
                                         desired_output_layouts=SEQUENCE, use_local_output=True)
     return None
+
+
+class _HeadNorm(SequenceParallel):
+    """``head_norm``: the weight replicated, the input this rank's heads (dim -2 of (..., heads, head size))."""
+
+    def __init__(self):
+        super().__init__(use_local_output=True)
+
+    @staticmethod
+    def _prepare_input_fn(sequence_sharding, mod, inputs, device_mesh):
+        x = inputs[0]
+        if isinstance(x, DTensor) or x.ndim < 2:
+            raise ValueError(f"dist.tp.plan: head_norm {type(mod).__name__} takes the local heads of a column-wise "
+                             f"projection as a plain tensor (..., heads, head size), not {type(x).__name__} of "
+                             f"{x.ndim} dims")
+        return DTensor.from_local(x, device_mesh, (Shard(x.ndim - 2),), run_check=False)
 
 
 def apply_tp(model: nn.Module, mesh: DeviceMesh, cfg: TPConfig, blocks: List[nn.Module],
@@ -453,7 +476,8 @@ def expected_tp_comm(model: nn.Module, cfg: TPConfig, tokens: int, accum: int, p
     cross-entropy all-reduces three
     FP32 values per token (the maximum, the sum of exponentials, the target's logit); without
     loss parallelism it all-gathers the logits instead. Each parameter of a sequence-parallel norm
-    all-reduces its gradient (summed over the sequence shards) where FSDP reduces gradients:
+    all-reduces its gradient (summed over the sequence shards), and of a head norm (summed over the heads),
+    where FSDP reduces gradients:
     ``grad_reductions`` times a step (once under accum_sync=last, each micro-batch under every).
     ``held``: which of the plan's modules count (a pipeline stage group's; default all); the first
     block's input cut counts where the first block is held.
@@ -501,7 +525,7 @@ def expected_tp_comm(model: nn.Module, cfg: TPConfig, tokens: int, accum: int, p
             add(reduce, tokens * module.out_features, linear_bytes, forward_times(name))
             if sp:
                 add("all_gather", tokens * module.out_features, linear_bytes, accum)
-        elif style == "sequence_parallel" and sp:
+        elif (style == "sequence_parallel" and sp) or style == "head_norm":
             for p in module.parameters():
                 add("allreduce", p.numel(), 4, grad_reductions)
         elif style == "colwise" and name == head:
