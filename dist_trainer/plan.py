@@ -256,16 +256,21 @@ def pp_stage_groups(cfg: Config, model: nn.Module) -> List[Dict[str, Any]]:
     stages = pp * per_rank
     cuts = cut_stages(block_names, stages, cfg.dist.pp.split, f"dist.pp.size={pp} x dist.pp.stages_per_rank={per_rank}")
     groups = []
+    # Expert slices (dist.ep.size): never FSDP's, so in no unit; each group's own, and its MoE layers.
+    experts = {id(p) for p in expert_params(model)} if cfg.dist.ep.size > 1 else set()
     for r in range(pp):
         held = stage_indices(r, pp, per_rank, pp_v_shape(cfg.dist.pp))
-        units = [list(blocks[i].parameters()) for s in held for i in cuts[s]]
+        own = [blocks[i] for s in held for i in cuts[s]]
+        units = [[p for p in block.parameters() if id(p) not in experts] for block in own]
         unit_stages = [s for s in held for _ in cuts[s]]
         for s in held:
             roots = (list(model.pp_first) if s == 0 else []) + (list(model.pp_last) if s == stages - 1 else [])
             units.append([p for n in roots for p in model.get_submodule(n).parameters()])
             unit_stages.append(s)
         groups.append({"stages": held, "blocks": [[block_names[i] for i in cuts[s]] for s in held],
-                       "units": units, "unit_stages": unit_stages, "first": 0 in held, "last": stages - 1 in held})
+                       "units": units, "unit_stages": unit_stages, "first": 0 in held, "last": stages - 1 in held,
+                       "moe_layers": sum(len(moe_layers(b)) for b in own),
+                       "experts": [p for b in own for p in b.parameters() if id(p) in experts]})
     return groups
 
 
@@ -295,13 +300,22 @@ def pp_expected(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
     inflight = pp_inflight(pp.schedule, mesh.pp, pp.stages_per_rank, accum)
     orders = schedule_orders(pp.schedule, mesh.pp, pp.stages_per_rank, accum) if pp.schedule == "zero_bubble" \
         else None
+    # The MoE counting pass (the global aux term's): every micro-batch forward through the stages first, its
+    # activations sent on as in the step's forward.
+    forwards = 2 if routing_of(model).needs_prepass(accum, plan.data_ranks) else 1
     for r, g in enumerate(pp_stage_groups(cfg, model)):
         counts = dict.fromkeys(COMM_KEYS + PP_COMM_KEYS + (TP_COMM_KEYS if mesh.tp > 1 else ()), 0)
+        if mesh.ep > 1:  # this group's MoE layers' all-to-alls, and its experts' one reduction over edp
+            counts["all_to_alls"] = g["moe_layers"] * (ep_forwards(cfg, plan, model) * FORWARD_ALL_TO_ALLS
+                                                       + accum * BACKWARD_ALL_TO_ALLS)
+            if mesh.expert_data_ranks > 1 and g["experts"]:
+                counts["allreduces"] += 1
+                counts["allreduce_bytes"] += sum(p.numel() // mesh.ep * 4 for p in g["experts"])
         # What the stage group holds unsharded at the step's peak: each stage's gathered parameters, gradients.
         stage_gathered, stage_grads = dict.fromkeys(g["stages"], 0), dict.fromkeys(g["stages"], 0)
         for unit, s in zip(g["units"], g["unit_stages"]):
             gathered, grad = unit_bytes(unit, S, precision, cut)
-            add_unit_comm(counts, mesh, gathered, grad, 1, 1)
+            add_unit_comm(counts, mesh, gathered, grad, forwards, 1)  # the counting pass's forward gathers anew
             _, held_grad = unit_bytes(unit, S, precision, grad_cut)  # what the rank holds, not what it reduces
             stage_gathered[s] += S * gathered
             stage_grads[s] += S * held_grad
@@ -321,16 +335,17 @@ def pp_expected(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
             apart = lambda t, held=g["stages"]: 0 <= t < stages and t not in held  # noqa: E731
             for kind, exists in (("send", apart(s + 1)), ("recv", apart(s - 1))):  # forward: the activation
                 if exists:
-                    counts[f"p2p_{kind}s"] += accum
-                    counts[f"p2p_{kind}_bytes"] += accum * activation
+                    counts[f"p2p_{kind}s"] += forwards * accum
+                    counts[f"p2p_{kind}_bytes"] += forwards * accum * activation
             for kind, exists in (("send", apart(s - 1)), ("recv", apart(s + 1))):  # backward: its gradient
                 if exists:
                     counts[f"p2p_{kind}s"] += accum
                     counts[f"p2p_{kind}_bytes"] += accum * activation
         counts["step_allreduces"] = 1
         counts["step_allreduce_bytes"] = step_stats_bytes(mesh.world_size, pipeline=True)
+        counts.update(moe_step_allreduces(plan, model, counts))
         trained = [p for unit in g["units"] for p in unit if p.requires_grad]
-        state = expected_state_bytes(cfg, trained, S, cut)
+        state = expected_state_bytes(cfg, trained, S, cut) + expert_state_bytes(cfg, g["experts"], mesh.ep)
         # Every unit stays gathered (a shard group of one rank too: FSDP2 still unshards into its own buffer) and
         # keeps its unsharded gradient from its first backward to the step's reduction; under zero_bubble a
         # stage is reduced and resharded in the step, after its last backward.
@@ -622,10 +637,18 @@ def _pp_numbers(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
         dims.update({key: "tp" for key in TP_COMM_KEYS if not key.endswith("_bytes")})
     if _tied_across(model):
         dims["allreduces"] = dims.get("allreduces", "replicate") + "; the tied weight's: first and last stage groups"
+    if mesh.ep > 1:
+        dims["all_to_alls"] = "ep"
+        if mesh.expert_data_ranks > 1:
+            dims["allreduces"] = dims.get("allreduces", "replicate") + "; the experts': edp"
     pp = cfg.dist.pp
     return {
         "world_size": plan.world_size,
-        "mesh": {"kind": mesh.kind, "replicate": mesh.replicate, "shard": mesh.shard, "tp": mesh.tp, "pp": mesh.pp},
+        "mesh": {"kind": mesh.kind, "replicate": mesh.replicate, "shard": mesh.shard, "tp": mesh.tp, "pp": mesh.pp,
+                 **({"ep": mesh.ep} if mesh.ep > 1 else {})},
+        # the bounds of the whole model's MoE layers: a stage group's all-to-alls are of its own layers
+        **({"ep_all_to_all_bytes_max": ep_all_to_all_bytes_max(cfg, plan, model),
+            "ep_all_to_all_bytes_balanced": ep_all_to_all_bytes_balanced(cfg, plan, model)} if mesh.ep > 1 else {}),
         "comm_dims": dims,
         "micro_batch_size": plan.micro_batch_size, "accum_steps": plan.accum_steps,
         "global_batch_size": plan.global_batch_size,

@@ -249,18 +249,21 @@ def test_checkpoint_resumes_across_ep_degrees(tmp_path):
 
 @pytest.fixture(scope="module")
 def runs4(tmp_path_factory):
-    one = in_one_process(_worker, _jobs(1)[:1])
-    jobs = [("shared0/ddp4", ep_config(2, 2)), ("shared0/fsdp4", ep_config(1, 2, "fsdp"))]
+    one = in_one_process(_worker, _jobs(1)[:1] + [("shared0/clip/ref", ep_config(GLOBAL, clip=True))])
+    hsdp = ep_config(1, 2, "fsdp", clip=True)  # 2 replicas x shard groups of 2; ep 2 within each replica
+    hsdp.dist.fsdp = dataclasses.replace(hsdp.dist.fsdp, shard_size=2)
+    jobs = [("shared0/ddp4", ep_config(2, 2)), ("shared0/fsdp4", ep_config(1, 2, "fsdp")), ("shared0/hsdp4", hsdp)]
     return one, launch_clean(_worker, 4, tmp_path_factory.mktemp("ep4"), jobs)
 
 
 @pytest.mark.slow  # 4 ranks on 2 cores
-@pytest.mark.parametrize("name", ["shared0/ddp4", "shared0/fsdp4"])
+@pytest.mark.parametrize("name", ["shared0/ddp4", "shared0/fsdp4", "shared0/hsdp4"])
 def test_four_ranks_reduce_experts_over_their_edp_group(runs4, name):
-    """4 ranks x 1 micro-batch of 2 (ddp) or 4 x 2 x 1 (fsdp), ep 2: each expert on 2 ranks, its gradient summed
-    over them (one all-reduce, in the plan) and divided by the 4 data ranks: one process x 8 within SCALE_TOL."""
+    """4 ranks x 1 micro-batch of 2 (ddp) or 4 x 2 x 1 (fsdp; hsdp: 2 replicas of shard groups of 2, clipped),
+    ep 2: each expert on 2 ranks, its gradient summed over them (one all-reduce, in the plan) and divided by the
+    4 data ranks: one process x 8 within SCALE_TOL."""
     one, four = runs4
-    ref = _rec(one, "shared0/ref")
+    ref = _rec(one, "shared0/clip/ref" if "hsdp" in name else "shared0/ref")
     for rank in range(4):
         got = _rec(four[rank], name)
         _assert_close(got["grads"][0], ref["grads"][0], f"ep2x2 {name} rank {rank} grads step 1")

@@ -11,6 +11,10 @@ first. Per step the expert counts equal the reference's exactly; the gradients (
   after micro-batch i + 1's: each recomputation must see its own token mask);
 * the aux-loss-free bias update (sigmoid router): the biases bit-identical;
 * a last step of one sequence: three placeholder micro-batches that count nowhere.
+
+And on 4 ranks (slow): pp 2 x 2 data ranks with expert parallelism 2 (each stage's 4 experts cut over its own
+2 data ranks, the all-to-alls within a stage group), 4 micro-batches of 4 a data rank, against the same one
+process x 32; under hsdp-like replicas the edp reduction is tested in tests/test_moe_ep.py.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ import dataclasses
 
 import pytest
 import torch
+
+from dist_trainer.config import EPConfig, validate
+from dist_trainer.plan import plan_numbers
 
 from test_accumulation import in_one_process, launch_clean
 from test_moe import STEPS, _assert_same_run, _rec, _short, _worker, moe_config
@@ -82,6 +89,28 @@ def test_pp2_moe_equals_one_big_batch(runs, name):
         assert torch.equal(got["biases"][key], value), f"{name}: {key}"
 
 
+def _assert_plan(ranks: list, cfg, name: str) -> None:
+    """Each rank's steps 2 and 3 show its stage group's collectives as plan mode predicts them: the counting
+    pass's sends and receives, the MoE slots of the step's all-reduce, under ep the group's all-to-alls (their
+    bytes follow the routing: within plan mode's bound) and its experts' state."""
+    numbers = plan_numbers(cfg, validate(cfg, len(ranks)))
+    groups = numbers["pp_stage_groups"]
+    for rank, results in enumerate(ranks):
+        group = groups[rank * 2 // len(ranks)]
+        for step in (2, 3):
+            comm = dict(_rec(results, name)["outcomes"][step - 1]["comm"])
+            if "all_to_all_bytes" in comm:
+                assert 0 < comm.pop("all_to_all_bytes") <= numbers["ep_all_to_all_bytes_max"], (name, rank, step)
+            assert comm == group["step"], (name, rank, step, comm, group["step"])
+        assert _rec(results, name)["outcomes"][-1]["state_mb"] == pytest.approx(group["state_mb"], rel=0.05)
+
+
+@pytest.mark.parametrize("name", ["global/pp2", "global/pp2-ac", "bias/pp2"])
+def test_pp2_moe_steps_match_the_plan(runs, name):
+    _, two = runs
+    _assert_plan(two, _pp(_wide(8, name.split("/")[0]), checkpointing=name.endswith("-ac")), name)
+
+
 def test_pp2_moe_terms_and_bias_are_there(runs):
     """The comparisons above hold something: the terms are non-zero, each stage's layer counts every valid
     token top_k times, the biases moved, and the last step's placeholders counted nothing."""
@@ -92,3 +121,37 @@ def test_pp2_moe_terms_and_bias_are_there(runs):
     assert _rec(one, "bias/ref")["biases"]["blocks.1.mlp.gate.e_score_correction_bias"].abs().max() > 0
     last = _rec(two[1], "short/pp2")["outcomes"][-1]
     assert last["samples"] == 1 and [sum(row) for row in last["moe"]["expert_tokens"]] == [2 * last["items"]] * 2
+
+
+# ------------------------------------------------------------------ pp 2 x ep 2 on 4 ranks
+
+def _ep(cfg, size: int = 2):
+    cfg.dist = dataclasses.replace(cfg.dist, ep=EPConfig(size=size))
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def runs4(tmp_path_factory):
+    one = in_one_process(_worker, [("global/ref", _wide(32), STEPS)])
+    four = launch_clean(_worker, 4, tmp_path_factory.mktemp("moe_pp_ep"), [
+        ("global/pp2-ep2", _ep(_pp(_wide(4))), STEPS),
+        ("global/pp2-ep2-fsdp-ac", _ep(_pp(_wide(4, strategy="fsdp"), checkpointing=True)), STEPS)])
+    return one, four
+
+
+@pytest.mark.slow  # 4 ranks on 2 cores
+@pytest.mark.parametrize("name", ["global/pp2-ep2", "global/pp2-ep2-fsdp-ac"])
+def test_pp2_ep2_equals_one_big_batch(runs4, name):
+    """Ranks 0, 1 hold stage 0 (the first MoE layer), 2, 3 stage 1; the data ranks of a stage hold 2 experts
+    each. Each data rank's pair of stages is one whole model; the expert slices are gathered whole."""
+    one, four = runs4
+    ref = _rec(one, "global/ref")
+    for data_rank in range(2):
+        got = _whole([four[data_rank], four[2 + data_rank]], name)
+        _assert_same_run(got, ref, f"{name} data rank {data_rank}")
+    cfg = _ep(_pp(_wide(4, strategy="fsdp" if "fsdp" in name else "ddp"), checkpointing=name.endswith("-ac")))
+    _assert_plan(four, cfg, name)
+    comm = _rec(four[0], name)["outcomes"][1]["comm"]
+    # one MoE layer on this stage x 4 micro-batches: the counting pass and the forward (3 each), the backward
+    # (2), and under activation checkpointing the recomputed forward (3)
+    assert comm["all_to_alls"] == 4 * (3 + 3 + 2 + 3 * name.endswith("-ac"))

@@ -150,25 +150,39 @@ class LocalGrads:
         return [(p, g.to_local() if hasattr(g, "to_local") else g) for p, g in self.inner.grads()]
 
 
+def check_ep(model: nn.Module, mesh: MeshShape) -> None:
+    """The whole model has MoE layers whose experts ``dist.ep.size`` divides; ConfigError naming it otherwise."""
+    layers = moe_layers(model)
+    if not layers:
+        raise ConfigError(f"dist.ep.size={mesh.ep}: the model has no MoE layer whose experts it could split; "
+                          "set dist.ep.size=1")
+    for layer in layers:
+        if layer.num_experts % mesh.ep:
+            raise ConfigError(f"dist.ep.size={mesh.ep} must divide the {layer.num_experts} experts of every "
+                              "MoE layer")
+
+
 class ExpertParallel:
     """The experts of ``model`` cut over each ep group (in place), their dispatch by all-to-all, and the
-    reduction of their gradients over the edp group."""
+    reduction of their gradients over the edp group.
 
-    def __init__(self, model: nn.Module, mesh: MeshShape, rank: int, device_type: str) -> None:
+    Under pipeline stages ``model`` is a stage group's part (checked whole with ``check_ep`` before it was cut,
+    ``check=False``): its own MoE layers, maybe none. The ep and edp groups are then made of the data ranks of
+    one stage group (pp outermost): each stage's experts are cut over its own data ranks, and the all-to-alls of
+    a stage are issued by its data ranks alone, which run one schedule in one order."""
+
+    def __init__(self, model: nn.Module, mesh: MeshShape, rank: int, device_type: str, check: bool = True) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Shard, distribute_tensor
 
+        if check:
+            check_ep(model, mesh)
         layers = moe_layers(model)
-        if not layers:
-            raise ConfigError(f"dist.ep.size={mesh.ep}: the model has no MoE layer whose experts it could split; "
-                              "set dist.ep.size=1")
-        if mesh.pp > 1:
-            raise ConfigError(f"dist.ep.size={mesh.ep} combines with data and tensor parallelism only "
-                              "(dist.pp.size=1)")
         # Under tp each tp rank runs the MoE layers whole (tp.py's replicate): the ep and edp groups are made of
         # the data ranks' tp ranks of one index (tp innermost, as config.MeshShape numbers the ranks), and the
         # tp ranks of a group issue the same all-to-alls, each within its own ep group.
-        dims = (("edp", mesh.expert_data_ranks), ("ep", mesh.ep), *((("tp", mesh.tp),) * (mesh.tp > 1)))
+        dims = (*((("pp", mesh.pp),) * (mesh.pp > 1)), ("edp", mesh.expert_data_ranks), ("ep", mesh.ep),
+                *((("tp", mesh.tp),) * (mesh.tp > 1)))
         root = init_device_mesh(device_type, tuple(n for _, n in dims), mesh_dim_names=tuple(d for d, _ in dims))
         self.ep_mesh = root["ep"]
         self.edp_group = root["edp"].get_group() if mesh.expert_data_ranks > 1 else None
@@ -178,9 +192,6 @@ class ExpertParallel:
         self.norm_share = float(mesh.counts_experts(rank))
         dispatch = AllToAllDispatch(self.ep_mesh.get_group(), mesh.ep, self.counter)
         for layer in layers:
-            if layer.num_experts % mesh.ep:
-                raise ConfigError(f"dist.ep.size={mesh.ep} must divide the {layer.num_experts} experts of every "
-                                  "MoE layer")
             for name in EXPERT_PARAMS:
                 p = getattr(layer.experts, name)
                 # Each rank keeps its slice of the tensor every rank built alike (the same seed; on the meta
@@ -202,6 +213,8 @@ class ExpertParallel:
             if p.grad is None:  # no row reached this rank's experts in the whole step: a zero gradient, as
                 p.grad = torch.zeros_like(p)  # one process's unbind gives an expert without rows
         grads = [p.grad.to_local() for p in self.params]
+        if not grads:  # a pipeline stage without MoE layers
+            return
         if self.edp_group is not None:
             flat = torch.cat([g.reshape(-1) for g in grads])
             self.reduced["allreduces"] += 1

@@ -52,7 +52,7 @@ from ..checkpoint import load_shards
 from ..config import ConfigError, DistConfig, MeshShape
 from ..distributed import DistEnv
 from ..moe import routing_of
-from ..moe.ep import NoExperts
+from ..moe.ep import ExpertParallel, NoExperts, check_ep
 from ..optim import decay_split
 from ..precision import Precision, frozen_names
 from .blocks import find_blocks, prepare_blocks
@@ -404,6 +404,8 @@ class PipelineStrategy(FSDPStrategy):
         # from it; a tie across stages is cut alike on both sides (the embedding by rows, the head by rows).
         self.tp = apply_tp(model, tp_mesh, cfg.tp, blocks) if tp_mesh is not None else None
         self.sequence_shards = mesh.tp if self.tp is not None and cfg.tp.sequence_parallel else 1
+        if mesh.ep > 1:  # on the whole model, alike on every rank, before each keeps its stages
+            check_ep(model, mesh)
         self.ties = untie_across(model, model.pp_first, model.pp_last)
         self.width, self.vocab = model.stage_dims()
         self.stream_dtype = precision.param_dtype or torch.float32  # what stages send: activations, their grads
@@ -418,6 +420,10 @@ class PipelineStrategy(FSDPStrategy):
             for part in parts if not keep else ():
                 parent, _, child = part.rpartition(".")
                 delattr(model.get_submodule(parent), child)
+        # Expert parallelism on this rank's stages: their experts cut over the stage group's ep ranks, left out of
+        # FSDP (ignored_params), their gradients reduced over the edp ranks after the schedule.
+        self.ep = (ExpertParallel(model, mesh, env.rank, env.device.type, check=False) if mesh.ep > 1
+                   else NoExperts())
         held_blocks = prepare_blocks(model, cfg.blocks, cfg.activation_checkpointing, False)  # this rank's blocks
         self.views = [StageModule(model, s, [b for i, b in enumerate(blocks) if i in cuts[s]], s == 0,
                                   s == stages - 1) for s in self.stage_ids]
@@ -428,15 +434,11 @@ class PipelineStrategy(FSDPStrategy):
         # gradients would be lost without an error).
         after_forward = cfg.fsdp.reshard == "micro_batch" and schedule != "zero_bubble"
         for unit in [*held_blocks, *self.views]:  # each block in one stage; each stage a root over the rest
-            fully_shard(unit, mesh=dmesh, reshard_after_forward=after_forward, mp_policy=policy)
+            fully_shard(unit, mesh=dmesh, reshard_after_forward=after_forward, mp_policy=policy,
+                        ignored_params=self.ep.ignored)
         if materialise is not None:  # each rank allocates and initialises the shards of its own stages only
             materialise(model)
         self.units: List[FSDPModule] = [m for v in self.views for m in v.modules() if isinstance(m, FSDPModule)]
-        # Every expert is FSDP's here: expert parallelism is not cut into stages.
-        if mesh.ep > 1:
-            raise ConfigError(f"dist.ep.size={mesh.ep} with dist.pp.size={pp}: pipeline stages do not hold expert "
-                              "slices; set dist.ep.size=1")
-        self.ep = NoExperts()
         self.meter, self.counter = count_units(self.units, mesh.replicate)
         self.model = self.module = model
         self.weights = ShardedWeights(model)
@@ -447,12 +449,13 @@ class PipelineStrategy(FSDPStrategy):
         self.norm_share = {p: float(first_replica and name not in tied_copies and
                                     (first_of_tp or tp_sharded(p, tp_mesh)))
                            for name, p in params.items() if p.requires_grad}
+        self.norm_share.update({p: float(mesh.counts_experts(env.rank)) for p in self.ep.params})  # each expert once
         self._shares_cache = ((), None)
         self.tie_pairs = [(params.get(a), params.get(b)) for a, b in self.ties]
         self._tie_group = self._tie_groups() if self.ties else None
         self.groups = [dist.group.WORLD, *dmesh.get_all_groups(), *(tp_mesh.get_all_groups() if tp_mesh else []),
                        self.pp_group,
-                       *([self._tie_group] if self._tie_group is not None else [])]
+                       *([self._tie_group] if self._tie_group is not None else []), *self.ep.groups]
         self.counts: Dict[str, float] = {**dict.fromkeys(P2P_KEYS, 0), "compute_s": 0.0, "inflight": 0}
         self.schedule_name, self.per_rank, self.n_stages = schedule, per_rank, stages
         self.bubble: Optional[float] = None  # the predicted idle fraction, once the step's micro-batches are known
@@ -538,6 +541,7 @@ class PipelineStrategy(FSDPStrategy):
         if self.schedule_name == "zero_bubble":
             self._check_weight_pass()
         self._sum_tied_grads()
+        self.ep.reduce_grads()  # the expert slices' gradients, accumulated outside FSDP, reduced once
         return self._totals(self._losses)
 
     def _build_once(self, batches: List[Any], accum_steps: int, micro_batch_size: int) -> None:
