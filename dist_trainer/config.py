@@ -365,7 +365,9 @@ class MeshShape:
             text = f"{text}, each rank a tensor-parallel group of {self.tp} ranks"
         if self.ep > 1:
             text = (f"{text}; experts split over expert-parallel groups of {self.ep} data ranks, their gradients "
-                    f"reduced over {self.expert_data_ranks}")
+                    f"reduced over {self.expert_data_ranks}"
+                    + (" (fsdp: each slice sharded over them)" if self.kind != "ddp" and self.pp == 1
+                       and self.expert_data_ranks > 1 else ""))
         return text if self.pp == 1 else f"pipeline of {self.pp} stage groups, each {text}"
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -164,6 +165,9 @@ def expected_comm(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Pre
         scatters = 1 if cfg.dist.fsdp.accum_sync == "last" else accum
         for gathered, grad in unit_shard_bytes(cfg, model, precision, mesh.shard, skip):
             add_unit_comm(counts, mesh, gathered, grad, gathers, scatters)
+        edp = replace(mesh, replicate=1, shard=mesh.expert_data_ranks)  # a 1-D mesh of the edp ranks
+        for gathered, grad in expert_unit_bytes(plan, model, precision):
+            add_unit_comm(counts, edp, gathered, grad, gathers, scatters)
     if mesh.ep > 1:
         counts.update(ep_comm(cfg, plan, model, counts))
     if mesh.tp > 1:  # the activations' collectives, counted apart and in the totals
@@ -195,6 +199,26 @@ def ep_experts(plan: BatchPlan, model: nn.Module) -> List[torch.Tensor]:
     return expert_params(model) if plan.mesh.ep > 1 else []
 
 
+def experts_sharded(plan: BatchPlan) -> bool:
+    """Whether the expert slices are FSDP units over the edp ranks too (fsdp, hsdp: ``moe.ep``), not whole."""
+    mesh = plan.mesh
+    return mesh.ep > 1 and mesh.kind != "ddp" and mesh.pp == 1 and mesh.expert_data_ranks > 1
+
+
+def expert_unit_bytes(plan: BatchPlan, model: nn.Module, precision: Precision) -> List[Tuple[int, int]]:
+    """(gathered, gradient) bytes of one rank's padded shard of each MoE layer's experts unit (FSDP over edp, of
+    the 1/ep slice), where the experts are sharded; none otherwise."""
+    if not experts_sharded(plan):
+        return []
+    mesh = plan.mesh
+    return [unit_bytes(params, mesh.expert_data_ranks, precision, {id(p): _slice(p, mesh.ep) for p in params})
+            for params in ([layer.experts.gate_up_proj, layer.experts.down_proj] for layer in moe_layers(model))]
+
+
+def _slice(p: torch.Tensor, ep: int) -> torch.Size:
+    return torch.Size([p.shape[0] // ep, *p.shape[1:]])
+
+
 def ep_forwards(cfg: Config, plan: BatchPlan, model: nn.Module) -> int:
     """Forward passes of each MoE layer in a step: each micro-batch's, again in the counts' pass where the
     global aux term needs it (``Routing.needs_prepass``), again in activation checkpointing's recomputation."""
@@ -210,7 +234,7 @@ def ep_comm(cfg: Config, plan: BatchPlan, model: nn.Module, counts: Dict[str, in
     mesh, layers = plan.mesh, len(moe_layers(model))
     out = {"all_to_alls": layers * (ep_forwards(cfg, plan, model) * FORWARD_ALL_TO_ALLS
                                     + plan.accum_steps * BACKWARD_ALL_TO_ALLS)}
-    if mesh.expert_data_ranks > 1:
+    if mesh.expert_data_ranks > 1 and not experts_sharded(plan):  # sharded: FSDP's reduce-scatters over edp
         out["allreduces"] = counts["allreduces"] + 1
         out["allreduce_bytes"] = counts["allreduce_bytes"] + sum(p.numel() // mesh.ep * p.element_size()
                                                                  for p in ep_experts(plan, model))
@@ -418,6 +442,11 @@ def expected_peak_extra_bytes(cfg: Config, plan: BatchPlan, model: nn.Module, pr
     gathered = [0 if S == 1 and precision.param_dtype is None else S * g for g, _ in units]
     grads = [S * r for _, r in units]
     blocks, root = gathered[:-1], gathered[-1]
+    # Experts sharded over edp: a unit inside each MoE block, counted as a block of its own.
+    experts = [(plan.mesh.expert_data_ranks * g, plan.mesh.expert_data_ranks * r)
+               for g, r in expert_unit_bytes(plan, model, precision)]
+    blocks, gathered = blocks + [g for g, _ in experts], gathered + [g for g, _ in experts]
+    grads += [r for _, r in experts]
     reshard, accum = cfg.dist.fsdp.reshard, plan.accum_steps
     if reshard == "micro_batch":
         held = root + sum(sorted(blocks, reverse=True)[:1 + max(cfg.dist.fsdp.prefetch, 1)])
@@ -471,9 +500,10 @@ def expected_state_bytes(cfg: Config, params: List[torch.Tensor], shard: int,
     return own + masters + 4 * _optimizer_state_elements(cfg, elements, tensors)
 
 
-def expert_state_bytes(cfg: Config, experts: List[torch.Tensor], ep: int) -> int:
-    """State of a rank's expert slices (FP32 parameter, gradient, optimizer state): 1/ep of each."""
-    local = sum(p.numel() // ep for p in experts)
+def expert_state_bytes(cfg: Config, experts: List[torch.Tensor], ep: int, edp: int = 1) -> int:
+    """State of a rank's expert slices (FP32 parameter, gradient, optimizer state): 1/ep of each, and its padded
+    shard of that over ``edp`` ranks where FSDP cuts it again."""
+    local = sum(shard_elements(p, edp, _slice(p, ep)) for p in experts)
     return 4 * (2 * local + _optimizer_state_elements(cfg, local, len(experts)))
 
 
@@ -587,16 +617,19 @@ def plan_numbers(cfg: Config, plan: BatchPlan, model: Optional[nn.Module] = None
     cut = local_shapes(model, cfg.dist.tp)
     experts = ep_experts(plan, model)
     skip = {id(p) for p in experts}
-    # Expert slices: 1/ep of each expert tensor, whole on its rank (never cut by FSDP).
+    # Expert slices: 1/ep of each expert tensor, whole on its rank (ddp), or cut over edp too (fsdp).
     state = (expected_state_bytes(cfg, [p for p in params if id(p) not in skip], mesh.shard, cut)
-             + expert_state_bytes(cfg, experts, mesh.ep))
+             + expert_state_bytes(cfg, experts, mesh.ep, mesh.expert_data_ranks if experts_sharded(plan) else 1))
     dims = dict(COMM_DIMS["hsdp" if mesh.kind == "ddp" and mesh.tp > 1 else mesh.kind])
     if mesh.tp > 1:
         dims.update({key: "tp" for key in TP_COMM_KEYS if not key.endswith("_bytes")})
     ep = {}
     if mesh.ep > 1:
         dims["all_to_alls"] = "ep"
-        if mesh.expert_data_ranks > 1:
+        if experts_sharded(plan):
+            for key in ("all_gathers", "reduce_scatters"):
+                dims[key] = "; ".join(filter(None, [dims.get(key), "the experts': edp"]))
+        elif mesh.expert_data_ranks > 1:
             dims["allreduces"] = "; ".join(filter(None, [dims.get("allreduces"), "the experts': edp"]))
         ep = {"ep_all_to_all_bytes_max": None if auto else ep_all_to_all_bytes_max(cfg, plan, model),
               "ep_all_to_all_bytes_balanced": None if auto else ep_all_to_all_bytes_balanced(cfg, plan, model)}
@@ -696,12 +729,19 @@ def _ep_comm_lines(numbers: Dict[str, Any]) -> List[str]:
     ep = numbers["mesh"].get("ep", 1)
     if ep == 1:
         return []
+    edp = numbers["mesh"]["replicate"] * numbers["mesh"]["shard"] // ep
+    if "the experts': edp" in numbers["comm_dims"].get("all_gathers", ""):
+        held = (f"the experts: each ep slice cut again over the {edp} ranks holding the same experts, one FSDP unit "
+                "a MoE layer (in the all-gathers and reduce-scatters above)")
+    elif edp > 1:
+        held = (f"the experts' gradients: one all-reduce over the {edp} ranks holding the same experts (in the "
+                "all-reduces above)")
+    else:
+        held = "each rank's experts its own"
     return [f"  expert all-to-alls per optimizer step: {numbers['step']['all_to_alls']} (over each expert-parallel "
             f"group of {ep} data ranks: each MoE layer's forward 3, its backward 2), "
             f"{_mib(numbers['ep_all_to_all_bytes_balanced'])} with every expert given its share, at most "
-            f"{_mib(numbers['ep_all_to_all_bytes_max'])} (all_to_all_bytes: the routing decides); the experts' "
-            f"gradients: one all-reduce over the {numbers['world_size'] // ep} ranks holding the same experts "
-            "(in the all-reduces above) where there are several"]
+            f"{_mib(numbers['ep_all_to_all_bytes_max'])} (all_to_all_bytes: the routing decides); {held}"]
 
 
 def pp_lines(numbers: Dict[str, Any]) -> List[str]:

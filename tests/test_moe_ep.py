@@ -219,22 +219,27 @@ def _cut_at_step_2(src, dst):
     return dst
 
 
-@pytest.mark.slow  # four 2-rank launches and a one-process one, about 50 s on 2 cores
+@pytest.mark.slow  # four 2-rank launches, a 4-rank one and two one-process ones, about 90 s on 2 cores
 def test_checkpoint_resumes_across_ep_degrees(tmp_path):
     """An ep 2 checkpoint holds every expert whole under its one-process name: it resumes on one process
-    (ep 1) and under fsdp with ep 2; a ddp checkpoint without ep resumes with ep 2; each ends within 1e-5 of
-    the uninterrupted ep 2 run."""
+    (ep 1) and under fsdp with ep 2; a ddp checkpoint without ep resumes with ep 2; an fsdp checkpoint of 4 ranks
+    with ep 2 (each expert slice sharded over 2 edp ranks) resumes on one process; each ends within 1e-5 of the
+    uninterrupted ep 2 run."""
     from test_checkpoint import ckpt, final_params, metrics, resumed_from, run_all
 
     ep2, ep1 = E2E + ["dist.ep.size=2"], E2E
+    fsdp4 = [a if a != "batch.micro_batch_size=2" else "batch.micro_batch_size=1" for a in ep2] + ["dist.strategy=fsdp"]
     first = run_all([(ep2 + [f"hydra.run.dir={tmp_path / 'ref'}"], 2),
-                     (ep1 + [f"hydra.run.dir={tmp_path / 'ep1'}"], 2)], tmp_path, timeout=240)
+                     (ep1 + [f"hydra.run.dir={tmp_path / 'ep1'}"], 2),
+                     (fsdp4 + [f"hydra.run.dir={tmp_path / 'fsdp4'}"], 4)], tmp_path, timeout=360)
     for result in first:
         assert result.returncode == 0, result.output[-4000:]
     ref = final_params(tmp_path / "ref")
     assert ref["blocks.0.mlp.experts.gate_up_proj"].shape == (4, 64, 32)  # whole, as one process names it
     assert metrics(tmp_path / "ref")[1]["all_to_alls"] == 2 * 2 * (3 + 3 + 2)  # 2 layers x 2 micro-batches
-    resumes = {"to1": (ep1, 0, "ref"), "tofsdp": (ep2 + ["dist.strategy=fsdp"], 2, "ref"), "toep2": (ep2, 2, "ep1")}
+    _assert_close(final_params(tmp_path / "fsdp4"), ref, "4 ranks, fsdp, ep 2: final parameters")
+    resumes = {"to1": (ep1, 0, "ref"), "tofsdp": (ep2 + ["dist.strategy=fsdp"], 2, "ref"), "toep2": (ep2, 2, "ep1"),
+               "fsdp4to1": (ep1, 0, "fsdp4")}
     dirs = {name: _cut_at_step_2(tmp_path / src, tmp_path / name) for name, (_, _, src) in resumes.items()}
     results = run_all([(args + [f"hydra.run.dir={dirs[name]}"], nproc) for name, (args, nproc, _) in
                        resumes.items()], tmp_path, timeout=240)
@@ -272,4 +277,10 @@ def test_four_ranks_reduce_experts_over_their_edp_group(runs4, name):
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=SCALE_TOL)  # each expert counted once
         comm = dict(got["outcomes"][1]["comm"])
         comm.pop("all_to_all_bytes")
-        assert comm == got["plan"]["step"] and "the experts': edp" in got["plan"]["comm_dims"]["allreduces"]
+        assert comm == got["plan"]["step"]
+        # ddp: each rank's slice whole, all-reduced over edp; fsdp, hsdp: cut over edp too (an FSDP unit a layer)
+        edp = ("allreduces",) if "ddp" in name else ("all_gathers", "reduce_scatters")
+        assert all("the experts': edp" in got["plan"]["comm_dims"][key] for key in edp)
+        if "ddp" not in name:
+            assert got["expert_shapes"] == {(1, 2 * 32, 32), (1, 32, 32)}, "a quarter of each layer's experts"
+            assert got["outcomes"][-1]["state_mb"] == pytest.approx(got["plan"]["state_mb"], rel=0.05)

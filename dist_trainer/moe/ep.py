@@ -23,10 +23,19 @@ already sums the rows of its whole ep group's micro-batches; the edp group's ran
 the other ep groups' rows, so the gradient is their SUM, divided by the data ranks (not by the edp ranks):
 the mean over data ranks that DDP and FSDP give every other parameter, which the trainer's multiply by
 ``data_ranks`` undoes. Dividing by the edp ranks instead would leave it ep times too large (pytorch#160285,
-Megatron-LM#5956). The experts are neither DDP's nor FSDP's: DDP ignores them, FSDP2 is given them as
-``ignored_params``, and each rank keeps its slice whole (FSDP over the edp ranks would cut the expert state
-by data_ranks instead of ep; kept simple, one reduction for both strategies). The global gradient norm counts
-each expert once: on the ranks of the first ep group (``MeshShape.counts_experts``).
+Megatron-LM#5956).
+
+Under ddp (and pipeline stages) the experts are neither DDP's nor FSDP's: DDP ignores them, FSDP2 is given
+them as ``ignored_params``; each rank keeps its slice whole, and ``reduce_grads`` all-reduces it over the edp
+ranks. The global gradient norm counts each expert once: on the ranks of the first ep group
+(``MeshShape.counts_experts``).
+
+Under fsdp (``sharded``, where there are several edp ranks) each MoE layer's experts are an FSDP2 unit of their
+own over the edp ranks (torchtitan's layout): the ep slice is cut again over edp, so a rank holds
+1/(ep x edp) = 1/data_ranks of every expert's state, and each forward gathers its slice over edp. FSDP
+reduce-scatters the gradient over edp as its mean over them; ``reduce_grads`` divides it by ep once more, which
+makes it the sum divided by the data ranks (FSDP's own divide factor is a PREMUL_SUM, which gloo lacks). Every data rank then holds a different part of every expert: each
+counts in the norm (the first rank of a tp group).
 """
 
 from __future__ import annotations
@@ -109,8 +118,7 @@ class AllToAllDispatch:
         # Into expert order (each expert's rows by source rank, so in the order one process would have them).
         chunk = torch.repeat_interleave(torch.arange(ep * local, device=x.device), by_source.reshape(-1))
         order = ((chunk % local) * ep + chunk // local).argsort(stable=True)
-        out = experts.rows(rows[order], by_source.sum(dim=0).tolist(),
-                           experts.gate_up_proj.to_local(), experts.down_proj.to_local())
+        out = experts(rows[order], by_source.sum(dim=0).tolist())  # its forward: FSDP gathers it (sharded)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         return self._exchange(out[inverse], sent_by_rank, received_by_rank)
@@ -122,6 +130,10 @@ class NoExperts:
     params: List[nn.Parameter] = []
     ignored: Optional[set] = None
     groups: List[Any] = []
+    norm_share = 1.0
+
+    def shard(self, **fsdp: Any) -> List[nn.Module]:
+        return []
 
     def weights(self, weights: Any) -> Any:
         return weights
@@ -171,7 +183,8 @@ class ExpertParallel:
     one stage group (pp outermost): each stage's experts are cut over its own data ranks, and the all-to-alls of
     a stage are issued by its data ranks alone, which run one schedule in one order."""
 
-    def __init__(self, model: nn.Module, mesh: MeshShape, rank: int, device_type: str, check: bool = True) -> None:
+    def __init__(self, model: nn.Module, mesh: MeshShape, rank: int, device_type: str, check: bool = True,
+                 sharded: bool = False) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -184,12 +197,13 @@ class ExpertParallel:
         dims = (*((("pp", mesh.pp),) * (mesh.pp > 1)), ("edp", mesh.expert_data_ranks), ("ep", mesh.ep),
                 *((("tp", mesh.tp),) * (mesh.tp > 1)))
         root = init_device_mesh(device_type, tuple(n for _, n in dims), mesh_dim_names=tuple(d for d, _ in dims))
-        self.ep_mesh = root["ep"]
+        self.ep_mesh, self.edp_mesh = root["ep"], root["edp"]
         self.edp_group = root["edp"].get_group() if mesh.expert_data_ranks > 1 else None
+        self.sharded = sharded and self.edp_group is not None  # FSDP's over edp (``shard``): see the module
         self.counter = AllToAllCounter()
         self.reduced = {"allreduces": 0, "allreduce_bytes": 0}
-        self.data_ranks = mesh.data_ranks
-        self.norm_share = float(mesh.counts_experts(rank))
+        self.data_ranks, self.ep = mesh.data_ranks, mesh.ep
+        self.norm_share = float(rank % mesh.tp == 0) if self.sharded else float(mesh.counts_experts(rank))
         dispatch = AllToAllDispatch(self.ep_mesh.get_group(), mesh.ep, self.counter)
         for layer in layers:
             for name in EXPERT_PARAMS:
@@ -200,15 +214,38 @@ class ExpertParallel:
                 setattr(layer.experts, name, nn.Parameter(sliced, requires_grad=p.requires_grad))
             layer.dispatch = dispatch
         self.params = expert_params(model)
-        self.ignored = set(self.params)
+        self.layers = layers
+        self.ignored = None if self.sharded else set(self.params)
         self.groups = [g for g in (self.ep_mesh.get_group(), self.edp_group) if g is not None]
+
+    def shard(self, **fsdp: Any) -> List[nn.Module]:
+        """Under ``sharded``: each MoE layer's experts an FSDP2 unit over the edp ranks (``fsdp``: fully_shard's
+        other arguments), before the blocks around them; returns the units (none otherwise)."""
+        from torch.distributed.fsdp import fully_shard
+
+        if not self.sharded:
+            return []
+        units = []
+        for layer in self.layers:
+            unit = fully_shard(layer.experts, mesh=self.edp_mesh, **fsdp)
+            # A rank whose experts no row reached in a step still takes part, with zeros, in the reduce-scatter.
+            unit.set_reduce_scatter_unused_params(True)
+            units.append(unit)
+        self.params = expert_params(nn.ModuleList(self.layers))  # FSDP's parameters now (each cut over edp)
+        return units
 
     def weights(self, weights: Any) -> Any:
         return LocalGrads(weights)
 
     @torch.no_grad()
     def reduce_grads(self) -> None:
-        """After the step's last backward: SUM over the edp group, divided by the data ranks (see the module)."""
+        """After the step's last backward: SUM over the edp group, divided by the data ranks (see the module);
+        under ``sharded`` FSDP has reduced them to their mean over edp: divided by ep once more."""
+        if self.sharded:
+            grads = [p.grad.to_local() for p in self.params if p.grad is not None]
+            if grads:
+                torch._foreach_div_(grads, float(self.ep))
+            return
         for p in self.params:
             if p.grad is None:  # no row reached this rank's experts in the whole step: a zero gradient, as
                 p.grad = torch.zeros_like(p)  # one process's unbind gives an expert without rows
@@ -226,7 +263,8 @@ class ExpertParallel:
 
     def comm(self) -> Dict[str, int]:
         """The all-to-alls, and the edp all-reduces (added to the strategy's ``allreduces``)."""
-        return {"all_to_alls": self.counter.calls, "all_to_all_bytes": self.counter.bytes, **self.reduced}
+        return {"all_to_alls": self.counter.calls, "all_to_all_bytes": self.counter.bytes,
+                **({} if self.sharded else self.reduced)}
 
     def norm_sq(self, grads: List[Tuple[torch.Tensor, torch.Tensor]]) -> Tuple[list, torch.Tensor]:
         """(the pairs that are not experts', this rank's float64 share of the experts' squared norm)."""
@@ -239,7 +277,7 @@ class ExpertParallel:
         return rest, norms * self.norm_share
 
 
-def apply_ep(model: nn.Module, mesh: MeshShape, rank: int, device_type: str) -> Any:
+def apply_ep(model: nn.Module, mesh: MeshShape, rank: int, device_type: str, sharded: bool = False) -> Any:
     """Expert parallelism on ``model`` (before activation checkpointing, compile and wrapping), or a
-    ``NoExperts`` where ``mesh.ep`` is 1."""
-    return ExpertParallel(model, mesh, rank, device_type) if mesh.ep > 1 else NoExperts()
+    ``NoExperts`` where ``mesh.ep`` is 1. ``sharded``: the experts FSDP's over the edp ranks (fsdp)."""
+    return ExpertParallel(model, mesh, rank, device_type, sharded=sharded) if mesh.ep > 1 else NoExperts()

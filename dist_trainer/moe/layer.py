@@ -96,7 +96,9 @@ class Experts(nn.Module):
         nn.init.normal_(self.down_proj, std=0.02)
 
     def forward(self, x: torch.Tensor, counts: List[int]) -> torch.Tensor:
-        return self.rows(x, counts, self.gate_up_proj, self.down_proj)
+        # Under expert parallelism the weights are DTensors of the ep group: this rank's slice computes.
+        gate_up, down = (w.to_local() if hasattr(w, "to_local") else w for w in (self.gate_up_proj, self.down_proj))
+        return self.rows(x, counts, gate_up, down)
 
     def rows(self, x: torch.Tensor, counts: List[int], gate_up_proj: torch.Tensor,
              down_proj: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -186,14 +186,18 @@ def mp_policy(precision: Precision) -> MixedPrecisionPolicy:
             if precision.param_dtype is not None else MixedPrecisionPolicy())
 
 
-def count_units(units: List[FSDPModule], replicate: int) -> Tuple[PeakMeter, CommCounter]:
-    """FSDP's collectives of ``units``, counted where issued, and the meter of what they hold unsharded."""
+def count_units(units: List[FSDPModule], replicate: int,
+                one_dim: Sequence[nn.Module] = ()) -> Tuple[PeakMeter, CommCounter]:
+    """FSDP's collectives of ``units``, counted where issued, and the meter of what they hold unsharded.
+    ``one_dim``: units on a 1-D mesh of their own under hsdp (the experts over edp), which all-reduce nothing."""
     meter = PeakMeter(units)
     counter = CommCounter(meter)
+    flat = {id(u) for u in one_dim}
     for unit in units:
         unit.set_custom_all_gather(_CountingAllGather(counter))
         unit.set_custom_reduce_scatter(_CountingReduceScatter(counter))
-        if replicate > 1:  # only hsdp all-reduces; on a 1-D mesh the hook would follow the reduce-scatter
+        # Only hsdp all-reduces; on a 1-D mesh the hook would follow the reduce-scatter.
+        if replicate > 1 and id(unit) not in flat:
             unit.set_all_reduce_hook(counter.all_reduced)
     return meter, counter
 
@@ -242,13 +246,15 @@ class FSDPStrategy:
         # torchtitan's order: tensor parallelism, then checkpointing and compile per block, then fully_shard.
         self.tp = (apply_tp(model, tp_mesh, cfg.tp, find_blocks(model, cfg.blocks), count=not compile)
                    if tp_mesh is not None else None)
-        # Then expert parallelism: its slices are left to it (ignored_params), whole on each rank of the ep group.
-        self.ep = apply_ep(model, mesh, env.rank, env.device.type)
+        # Then expert parallelism: its slices cut over each ep group, and again over the edp ranks as FSDP units
+        # of their own (moe/ep.py).
+        self.ep = apply_ep(model, mesh, env.rank, env.device.type, sharded=mesh.kind != "ddp")
         blocks = prepare_blocks(model, cfg.blocks, cfg.activation_checkpointing, compile)  # before fully_shard
         self.mesh, self.device = mesh, env.device
         policy = mp_policy(precision)
         self.reshard = cfg.fsdp.reshard
         after_forward = self.reshard == "micro_batch"  # given explicitly, to the root too
+        expert_units = self.ep.shard(reshard_after_forward=after_forward, mp_policy=policy)
         for block in blocks:
             fully_shard(block, mesh=dmesh, reshard_after_forward=after_forward, mp_policy=policy,
                         ignored_params=self.ep.ignored)
@@ -258,7 +264,7 @@ class FSDPStrategy:
             materialise(model)
         self.units: List[FSDPModule] = [m for m in model.modules() if isinstance(m, FSDPModule)]
         set_prefetch(blocks, cfg.fsdp.prefetch)
-        self.meter, self.counter = count_units(self.units, mesh.replicate)
+        self.meter, self.counter = count_units(self.units, mesh.replicate, one_dim=expert_units)
         if cfg.find_unused_parameters:
             # A parameter some rank did not use still takes part (with zeros) in the reduce-scatter.
             model.set_reduce_scatter_unused_params(True)
@@ -272,7 +278,7 @@ class FSDPStrategy:
         first_of_tp = env.rank % mesh.tp == 0
         self.norm_share = {p: float(first_replica and (first_of_tp or tp_sharded(p, tp_mesh)))
                            for p in self.weights.params}
-        self.norm_share.update({p: float(mesh.counts_experts(env.rank)) for p in self.ep.params})  # each expert once
+        self.norm_share.update({p: self.ep.norm_share for p in self.ep.params})  # each expert once
         self._shares_cache: Tuple[tuple, Optional[torch.Tensor]] = ((), None)
         self.groups = [dist.group.WORLD, *dmesh.get_all_groups(), *(tp_mesh.get_all_groups() if tp_mesh else []),
                        *self.ep.groups]
