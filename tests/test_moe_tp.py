@@ -20,7 +20,8 @@ import dataclasses
 
 import pytest
 
-from dist_trainer.config import EPConfig
+from dist_trainer.config import EPConfig, validate
+from dist_trainer.plan import plan_numbers
 from test_accumulation import in_one_process, launch_clean
 from test_moe import _assert_same_run, _rec, _worker, moe_config
 
@@ -74,6 +75,25 @@ def test_tp_equals_one_big_batch(one, two, name):
         assert (got["outcomes"][0]["comm"]["tp_reduce_scatters"] > 0) == name.endswith("/sp")
 
 
+def _assert_plan(ranks: list, name: str) -> None:
+    """Steps 2 and 3 of each rank show the collectives plan mode predicts: under sequence parallelism each MoE
+    layer's input gathered from the sequence shards (and its output's gradient in backward); the all-to-alls
+    (their bytes within the plan's bound)."""
+    cfg = {job: cfg for job, cfg, _ in _jobs(len(ranks))}[name]
+    numbers = plan_numbers(cfg, validate(cfg, len(ranks)))
+    for rank, results in enumerate(ranks):
+        for step in (2, 3):
+            comm = dict(_rec(results, name)["outcomes"][step - 1]["comm"])
+            if "all_to_all_bytes" in comm:
+                assert 0 < comm.pop("all_to_all_bytes") <= numbers["ep_all_to_all_bytes_max"]
+            assert comm == numbers["step"], (name, rank, step, comm, numbers["step"])
+
+
+@pytest.mark.parametrize("name", ["tp2/sp", "tp2/nosp"])
+def test_tp_steps_match_the_plan(two, name):
+    _assert_plan(two, name)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["ep2xtp2/sp-clip", "ep2xtp2/nosp"])
 def test_ep_by_tp_equals_one_big_batch(one, four, name):
@@ -83,3 +103,4 @@ def test_ep_by_tp_equals_one_big_batch(one, four, name):
     for rank in range(4):
         _assert_same_run(_rec(four[rank], name), ref, f"moe {name} rank {rank}")
 
+    _assert_plan(four, name)

@@ -478,7 +478,9 @@ def expected_tp_comm(model: nn.Module, cfg: TPConfig, tokens: int, accum: int, p
     loss parallelism it all-gathers the logits instead. Each parameter of a sequence-parallel norm
     all-reduces its gradient (summed over the sequence shards), and of a head norm (summed over the heads),
     where FSDP reduces gradients:
-    ``grad_reductions`` times a step (once under accum_sync=last, each micro-batch under every).
+    ``grad_reductions`` times a step (once under accum_sync=last, each micro-batch under every). A
+    ``replicate`` module under sequence parallelism all-gathers its input in forward and its output's gradient
+    in backward (the residual stream's width: the first column-wise layer's input).
     ``held``: which of the plan's modules count (a pipeline stage group's; default all); the first
     block's input cut counts where the first block is held.
     """
@@ -528,6 +530,10 @@ def expected_tp_comm(model: nn.Module, cfg: TPConfig, tokens: int, accum: int, p
         elif (style == "sequence_parallel" and sp) or style == "head_norm":
             for p in module.parameters():
                 add("allreduce", p.numel(), 4, grad_reductions)
+        elif style == "replicate" and sp and parents:  # run whole: its input gathered, its output's gradient too
+            width = next(iter(parents.values()))
+            add("all_gather", tokens * width, param_bytes, forward_times(name))
+            add("all_gather", tokens * width, param_bytes, accum)
         elif style == "colwise" and name == head:
             if sp:
                 add("all_gather", tokens * module.in_features, param_bytes, forward_times(name))
