@@ -337,6 +337,12 @@ class MeshShape:
         """Ranks holding the same experts (one per expert-parallel group): their gradients are reduced over these."""
         return self.data_ranks // self.ep
 
+    @property
+    def shards_experts(self) -> bool:
+        """Whether each expert slice is cut again over the edp ranks, FSDP units of their own (fsdp and hsdp
+        without pipeline stages, where there are several edp ranks; ``moe.ep``), rather than whole on its rank."""
+        return self.ep > 1 and self.kind != "ddp" and self.pp == 1 and self.expert_data_ranks > 1
+
     def counts_experts(self, rank: int) -> bool:
         """Whether ``rank``'s expert gradients count in the global norm: each expert once, in the first
         expert-parallel group (the others hold copies)."""
@@ -366,8 +372,7 @@ class MeshShape:
         if self.ep > 1:
             text = (f"{text}; experts split over expert-parallel groups of {self.ep} data ranks, their gradients "
                     f"reduced over {self.expert_data_ranks}"
-                    + (" (fsdp: each slice sharded over them)" if self.kind != "ddp" and self.pp == 1
-                       and self.expert_data_ranks > 1 else ""))
+                    + (" (fsdp: each slice sharded over them)" if self.shards_experts else ""))
         return text if self.pp == 1 else f"pipeline of {self.pp} stage groups, each {text}"
 
 

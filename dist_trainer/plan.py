@@ -199,20 +199,19 @@ def ep_experts(plan: BatchPlan, model: nn.Module) -> List[torch.Tensor]:
     return expert_params(model) if plan.mesh.ep > 1 else []
 
 
-def experts_sharded(plan: BatchPlan) -> bool:
-    """Whether the expert slices are FSDP units over the edp ranks too (fsdp, hsdp: ``moe.ep``), not whole."""
-    mesh = plan.mesh
-    return mesh.ep > 1 and mesh.kind != "ddp" and mesh.pp == 1 and mesh.expert_data_ranks > 1
-
-
 def expert_unit_bytes(plan: BatchPlan, model: nn.Module, precision: Precision) -> List[Tuple[int, int]]:
     """(gathered, gradient) bytes of one rank's padded shard of each MoE layer's experts unit (FSDP over edp, of
     the 1/ep slice), where the experts are sharded; none otherwise."""
-    if not experts_sharded(plan):
+    if not plan.mesh.shards_experts:
         return []
     mesh = plan.mesh
     return [unit_bytes(params, mesh.expert_data_ranks, precision, {id(p): _slice(p, mesh.ep) for p in params})
             for params in ([layer.experts.gate_up_proj, layer.experts.down_proj] for layer in moe_layers(model))]
+
+
+def expert_allreduce_bytes(experts: List[torch.Tensor], ep: int) -> int:
+    """Bytes of the one all-reduce of a rank's whole expert slices' gradients over its edp ranks."""
+    return sum(p.numel() // ep * p.element_size() for p in experts)
 
 
 def _slice(p: torch.Tensor, ep: int) -> torch.Size:
@@ -234,10 +233,9 @@ def ep_comm(cfg: Config, plan: BatchPlan, model: nn.Module, counts: Dict[str, in
     mesh, layers = plan.mesh, len(moe_layers(model))
     out = {"all_to_alls": layers * (ep_forwards(cfg, plan, model) * FORWARD_ALL_TO_ALLS
                                     + plan.accum_steps * BACKWARD_ALL_TO_ALLS)}
-    if mesh.expert_data_ranks > 1 and not experts_sharded(plan):  # sharded: FSDP's reduce-scatters over edp
+    if mesh.expert_data_ranks > 1 and not mesh.shards_experts:  # sharded: FSDP's reduce-scatters over edp
         out["allreduces"] = counts["allreduces"] + 1
-        out["allreduce_bytes"] = counts["allreduce_bytes"] + sum(p.numel() // mesh.ep * p.element_size()
-                                                                 for p in ep_experts(plan, model))
+        out["allreduce_bytes"] = counts["allreduce_bytes"] + expert_allreduce_bytes(ep_experts(plan, model), mesh.ep)
     return out
 
 
@@ -334,7 +332,7 @@ def pp_expected(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
                                                        + accum * BACKWARD_ALL_TO_ALLS)
             if mesh.expert_data_ranks > 1 and g["experts"]:
                 counts["allreduces"] += 1
-                counts["allreduce_bytes"] += sum(p.numel() // mesh.ep * 4 for p in g["experts"])
+                counts["allreduce_bytes"] += expert_allreduce_bytes(g["experts"], mesh.ep)
         # What the stage group holds unsharded at the step's peak: each stage's gathered parameters, gradients.
         stage_gathered, stage_grads = dict.fromkeys(g["stages"], 0), dict.fromkeys(g["stages"], 0)
         for unit, s in zip(g["units"], g["unit_stages"]):
@@ -619,14 +617,14 @@ def plan_numbers(cfg: Config, plan: BatchPlan, model: Optional[nn.Module] = None
     skip = {id(p) for p in experts}
     # Expert slices: 1/ep of each expert tensor, whole on its rank (ddp), or cut over edp too (fsdp).
     state = (expected_state_bytes(cfg, [p for p in params if id(p) not in skip], mesh.shard, cut)
-             + expert_state_bytes(cfg, experts, mesh.ep, mesh.expert_data_ranks if experts_sharded(plan) else 1))
+             + expert_state_bytes(cfg, experts, mesh.ep, mesh.expert_data_ranks if mesh.shards_experts else 1))
     dims = dict(COMM_DIMS["hsdp" if mesh.kind == "ddp" and mesh.tp > 1 else mesh.kind])
     if mesh.tp > 1:
         dims.update({key: "tp" for key in TP_COMM_KEYS if not key.endswith("_bytes")})
     ep = {}
     if mesh.ep > 1:
         dims["all_to_alls"] = "ep"
-        if experts_sharded(plan):
+        if mesh.shards_experts:
             for key in ("all_gathers", "reduce_scatters"):
                 dims[key] = "; ".join(filter(None, [dims.get(key), "the experts': edp"]))
         elif mesh.expert_data_ranks > 1:

@@ -34,9 +34,9 @@ TASKS = {"causal_lm": "AutoModelForCausalLM", "masked_lm": "AutoModelForMaskedLM
 # model._target_ of this builder: its path, and the one configurations and checkpoints of earlier releases name.
 TARGETS = ("dist_trainer.models.hf.hf_model", "dist_trainer.hf.models.hf_model")
 # The batch keys passed on to the model; labels are ours (the loss is computed here).
-# Hugging Face's tp styles by this project's names; others are the two cuts they start with (colwise_rep, rowwise_rep).
+# Hugging Face's tp styles by this project's names; others are the cuts they start with (colwise_rep, rowwise_rep).
 HF_STYLES = {"replicated_with_grad_allreduce": "head_norm"}
-# Projections Hugging Face gathers whole after the cut (OLMoE's q_proj/k_proj, for a norm over all heads): no style here.
+# Projections Hugging Face gathers whole after the cut (OLMoE's q_proj/k_proj, for a norm over all heads): no style.
 WHOLE_PROJECTION_STYLES = ("colwise_gather_output", "rowwise_split_input")
 MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
 
@@ -161,7 +161,8 @@ class HFModel(nn.Module):
 
         A head tied to the input embedding (one weight) cuts the embedding by vocabulary rows
         too. Qwen3's per-head ``q_norm``/``k_norm`` (``replicated_with_grad_allreduce``) are ``head_norm``;
-        styles Hugging Face spells out further (``colwise_rep``, ``rowwise_rep``) are the two cuts; a plan of a peft model (LoRA adapters) is not known: None.
+        styles Hugging Face spells out further (``colwise_rep``, ``rowwise_rep``) are the two cuts; a plan
+        of a peft model (LoRA adapters) is not known: None.
         """
         base = dict(getattr(self.model.config, "base_model_tp_plan", None) or {})
         if not base or not hasattr(self.model, "base_model_prefix") or hasattr(self.model, "peft_config"):

@@ -34,8 +34,9 @@ Under fsdp (``sharded``, where there are several edp ranks) each MoE layer's exp
 own over the edp ranks (torchtitan's layout): the ep slice is cut again over edp, so a rank holds
 1/(ep x edp) = 1/data_ranks of every expert's state, and each forward gathers its slice over edp. FSDP
 reduce-scatters the gradient over edp as its mean over them; ``reduce_grads`` divides it by ep once more, which
-makes it the sum divided by the data ranks (FSDP's own divide factor is a PREMUL_SUM, which gloo lacks). Every data rank then holds a different part of every expert: each
-counts in the norm (the first rank of a tp group).
+makes it the sum divided by the data ranks (FSDP's own divide factor is a PREMUL_SUM, which gloo lacks).
+Every data rank then holds a different part of every expert: each counts in the norm (the first rank of a tp
+group).
 """
 
 from __future__ import annotations
@@ -199,7 +200,7 @@ class ExpertParallel:
         root = init_device_mesh(device_type, tuple(n for _, n in dims), mesh_dim_names=tuple(d for d, _ in dims))
         self.ep_mesh, self.edp_mesh = root["ep"], root["edp"]
         self.edp_group = root["edp"].get_group() if mesh.expert_data_ranks > 1 else None
-        self.sharded = sharded and self.edp_group is not None  # FSDP's over edp (``shard``): see the module
+        self.sharded = sharded  # FSDP's over edp (``shard``; MeshShape.shards_experts): see the module
         self.counter = AllToAllCounter()
         self.reduced = {"allreduces": 0, "allreduce_bytes": 0}
         self.data_ranks, self.ep = mesh.data_ranks, mesh.ep
@@ -279,5 +280,6 @@ class ExpertParallel:
 
 def apply_ep(model: nn.Module, mesh: MeshShape, rank: int, device_type: str, sharded: bool = False) -> Any:
     """Expert parallelism on ``model`` (before activation checkpointing, compile and wrapping), or a
-    ``NoExperts`` where ``mesh.ep`` is 1. ``sharded``: the experts FSDP's over the edp ranks (fsdp)."""
+    ``NoExperts`` where ``mesh.ep`` is 1. ``sharded``: the experts FSDP's over the edp ranks
+    (``MeshShape.shards_experts``, for fsdp)."""
     return ExpertParallel(model, mesh, rank, device_type, sharded=sharded) if mesh.ep > 1 else NoExperts()

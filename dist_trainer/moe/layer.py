@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..parallel.state import local_tensor
 from .routing import AttachLoss, Routing
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -97,8 +98,7 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: List[int]) -> torch.Tensor:
         # Under expert parallelism the weights are DTensors of the ep group: this rank's slice computes.
-        gate_up, down = (w.to_local() if hasattr(w, "to_local") else w for w in (self.gate_up_proj, self.down_proj))
-        return self.rows(x, counts, gate_up, down)
+        return self.rows(x, counts, local_tensor(self.gate_up_proj), local_tensor(self.down_proj))
 
     def rows(self, x: torch.Tensor, counts: List[int], gate_up_proj: torch.Tensor,
              down_proj: torch.Tensor) -> torch.Tensor:

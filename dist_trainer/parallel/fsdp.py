@@ -248,7 +248,7 @@ class FSDPStrategy:
                    if tp_mesh is not None else None)
         # Then expert parallelism: its slices cut over each ep group, and again over the edp ranks as FSDP units
         # of their own (moe/ep.py).
-        self.ep = apply_ep(model, mesh, env.rank, env.device.type, sharded=mesh.kind != "ddp")
+        self.ep = apply_ep(model, mesh, env.rank, env.device.type, sharded=mesh.shards_experts)
         blocks = prepare_blocks(model, cfg.blocks, cfg.activation_checkpointing, compile)  # before fully_shard
         self.mesh, self.device = mesh, env.device
         policy = mp_policy(precision)

@@ -449,7 +449,7 @@ class PipelineStrategy(FSDPStrategy):
         self.norm_share = {p: float(first_replica and name not in tied_copies and
                                     (first_of_tp or tp_sharded(p, tp_mesh)))
                            for name, p in params.items() if p.requires_grad}
-        self.norm_share.update({p: float(mesh.counts_experts(env.rank)) for p in self.ep.params})  # each expert once
+        self.norm_share.update({p: self.ep.norm_share for p in self.ep.params})  # each expert once
         self._shares_cache = ((), None)
         self.tie_pairs = [(params.get(a), params.get(b)) for a, b in self.ties]
         self._tie_group = self._tie_groups() if self.ties else None

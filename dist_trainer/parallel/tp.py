@@ -85,7 +85,8 @@ def resolve_plan(model: nn.Module, cfg: TPConfig) -> Dict[str, str]:
     if not patterns:
         raise ConfigError(f"dist.tp.size={cfg.size}: {type(model).__name__} declares no tensor-parallel plan "
                           "(tp_plan, or a Hugging Face configuration's base_model_tp_plan); set dist.tp.plan to a "
-                          "mapping of module-name patterns to colwise, rowwise, sequence_parallel, replicate or head_norm")
+                          "mapping of module-name patterns to colwise, rowwise, sequence_parallel, replicate or "
+                          "head_norm")
     names = [name for name, _ in model.named_modules() if name]
     resolved: Dict[str, str] = {}
     for pattern, style in patterns.items():
