@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dist_trainer.config import BatchConfig, Config, DistConfig, OptimConfig, PrecisionConfig, TrainerConfig
+from dist_trainer.distributed import _store_barrier
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -97,22 +101,86 @@ def assert_all_close_scaled(got: dict, ref: dict, what: str, tol: float = SCALE_
 
 def _rank_main(rank: int, world_size: int, store_dir: str, fn: Callable, args: tuple) -> None:
     torch.set_num_threads(1)
+    # A rank still running after STACKS_AFTER_S writes every thread's stack to stderr (pytest shows it), so
+    # a hang names its place instead of only timing out.
+    faulthandler.dump_traceback_later(STACKS_AFTER_S, exit=False)
     dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=world_size)
     try:
         result = fn(rank, world_size, *args)
         path = os.path.join(store_dir, f"result{rank}.pt")
         torch.save(result, path + ".tmp")
         os.replace(path + ".tmp", path)  # whole, or not there: a launcher may go by its presence
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        dist.destroy_process_group()  # nothing waits after a failure: a peer may be gone
+        raise
+    close_group(world_size)
 
 
-def run_ranks(fn: Callable, world_size: int, tmp_path: Path, *args: Any) -> List[Any]:
-    """Run fn(rank, world_size, *args) in world_size spawned processes; return their results."""
+def close_group(world_size: int) -> None:
+    """Destroy the process group once every rank is past its last collective, as dist_trainer.distributed does.
+
+    A rank tearing the gloo group down while its peer still completes the last
+    collective can abort that peer at exit (SIGABRT, torch 2.13).
+    """
+    if world_size > 1:
+        _store_barrier(world_size)
+    dist.destroy_process_group()
+
+
+EXIT_GRACE_S = 20  # once every rank has saved its result, the time they get to exit
+STACKS_AFTER_S = 240  # below pytest-timeout's 300 s: a hung rank's stacks reach the log before the test fails
+
+
+def run_ranks(fn: Callable, world_size: int, tmp_path: Path, *args: Any, timeout: Optional[float] = None
+              ) -> List[Any]:
+    """Run fn(rank, world_size, *args) in world_size spawned processes; return their results.
+
+    Never leaves a process behind: a rank stuck in process-group teardown after
+    saving its result (torch 2.13 on gloo, now and then) is killed, a launch past
+    ``timeout`` (if given; pytest-timeout's limit otherwise) fails the test, and
+    any exception here (pytest-timeout's included) kills the ranks first. A
+    live child would otherwise keep pytest from exiting: multiprocessing joins
+    its children at exit.
+    """
     store_dir = tmp_path / f"ranks{world_size}-{fn.__name__}"
     store_dir.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_rank_main, args=(world_size, str(store_dir), fn, args), nprocs=world_size, join=True)
-    return [torch.load(store_dir / f"result{r}.pt", weights_only=False) for r in range(world_size)]
+    ctx = mp.start_processes(_rank_main, args=(world_size, str(store_dir), fn, args), nprocs=world_size,
+                             join=False, start_method="spawn")
+    results = [store_dir / f"result{r}.pt" for r in range(world_size)]
+    deadline = time.monotonic() + (timeout or 0)
+    try:
+        while not ctx.join(timeout=1.0):  # re-raises a rank's exception
+            done = [path.is_file() for path in results]
+            if all(done):
+                _let_exit(ctx)
+                break
+            if timeout is not None and time.monotonic() > deadline:
+                missing = [r for r, ok in enumerate(done) if not ok]
+                pytest.fail(f"{world_size} ranks did not finish in {timeout:.0f} s: a collective hangs "
+                            f"(ranks {missing} saved no result; their stacks are in the captured stderr)")
+    finally:
+        _kill(ctx)
+    return [torch.load(path, weights_only=False) for path in results]
+
+
+def _let_exit(ctx) -> None:
+    """Every rank saved its result: give them EXIT_GRACE_S to exit; an abort in teardown is not the test's."""
+    exit_deadline = time.monotonic() + EXIT_GRACE_S
+    while time.monotonic() < exit_deadline:
+        try:
+            if ctx.join(timeout=1.0):
+                return
+        except mp.ProcessExitedException as exited:  # torch 2.13's gloo teardown, after the work was saved
+            print(f"after saving its result: {exited}", file=sys.stderr)  # join() stopped the others
+            return
+
+
+def _kill(ctx) -> None:
+    for process in ctx.processes:
+        if process.is_alive():
+            process.kill()
+    for process in ctx.processes:
+        process.join()
 
 
 class RegressionMLP(torch.nn.Module):

@@ -31,7 +31,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils.data import Subset, default_collate
 
 from dist_trainer import distributed
@@ -41,7 +40,7 @@ from dist_trainer.data.builtin import char_text, regression
 from dist_trainer.models import GPT, BranchyMLP
 from dist_trainer.optim import lr_at, set_lr
 from dist_trainer.run import build, train
-from helpers import SCALE_TOL, RegressionMLP, _rank_main, assert_all_close_scaled, regression_config
+from helpers import SCALE_TOL, RegressionMLP, assert_all_close_scaled, regression_config, run_ranks
 
 # fp32: the splits only reorder float sums, so they agree to rounding: each tensor within
 # SCALE_TOL (helpers.py) of its scale. A mean-of-means normalisation misses by 40-90 % of
@@ -52,7 +51,6 @@ BIG = (1, 32, 1)  # the reference; test_big_batch_reference_matches_a_hand_writt
 SPLIT_CASES = [s for s in SPLITS if s != BIG]  # compared with BIG (BIG with itself would prove nothing)
 STEPS = 3
 LAUNCH_TIMEOUT_S = 150  # a hang (e.g. a rank skipping a collective) fails instead of blocking
-EXIT_GRACE_S = 20  # once every rank has saved its result, the time they get to exit
 
 # Largest errors seen per comparison, printed at the end (python -m pytest -s) for the docs.
 REPORT: dict[str, float] = {}
@@ -216,37 +214,8 @@ def _run_job(env, world_size: int, cfg: Config, steps: int, run_dir: str | None)
 
 
 def _launch(fn, world_size: int, tmp_path: Path, *args) -> list:
-    """helpers.run_ranks with a deadline: a hang fails the test instead of blocking the suite."""
-    store_dir = tmp_path / f"ranks{world_size}-{fn.__name__}"
-    store_dir.mkdir(parents=True, exist_ok=True)
-    ctx = mp.start_processes(_rank_main, args=(world_size, str(store_dir), fn, args), nprocs=world_size,
-                             join=False, start_method="spawn")
-    results = [store_dir / f"result{r}.pt" for r in range(world_size)]
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    while not ctx.join(timeout=1.0):
-        done = [path.is_file() for path in results]
-        if all(done):
-            exit_deadline = time.monotonic() + EXIT_GRACE_S
-            while not ctx.join(timeout=1.0) and time.monotonic() < exit_deadline:
-                pass
-            # Every rank saved its result: one still alive is stuck in process-group teardown
-            # (torch 2.13 on gloo, now and then), after the work the test checks.
-            _kill(ctx)
-            break
-        if time.monotonic() > deadline:
-            _kill(ctx)
-            missing = [r for r, ok in enumerate(done) if not ok]
-            pytest.fail(f"{world_size} ranks did not finish in {LAUNCH_TIMEOUT_S} s: a collective hangs "
-                        f"(ranks {missing} saved no result)")
-    return [torch.load(path, weights_only=False) for path in results]
-
-
-def _kill(ctx) -> None:
-    for process in ctx.processes:
-        if process.is_alive():
-            process.kill()
-    for process in ctx.processes:
-        process.join()
+    """helpers.run_ranks with this module's deadline: a hang fails the test instead of blocking the suite."""
+    return run_ranks(fn, world_size, tmp_path, *args, timeout=LAUNCH_TIMEOUT_S)
 
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",

@@ -124,6 +124,9 @@ def _own_inductor_cache(tmp_path_factory):
     """
     with pytest.MonkeyPatch.context() as mpatch:
         mpatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
+        # Kernels compile in each rank's own process: no pool of compile workers per rank, which on 2 cores
+        # buys nothing and is one more set of processes that can outlive a failed test.
+        mpatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
         yield
 
 

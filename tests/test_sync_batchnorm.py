@@ -8,18 +8,15 @@ Only two process spawns are used (~3 s each) to keep the file fast.
 from __future__ import annotations
 
 import gc
-import time
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dist_trainer.parallel.sync_batchnorm import CPUSyncBatchNorm, convert_sync_batchnorm
-from helpers import assert_all_close_scaled, assert_close_scaled
+from helpers import assert_all_close_scaled, assert_close_scaled, run_ranks
 
 WORLD_SIZE = 2
 
@@ -57,25 +54,6 @@ def _rank_slice(split, rank: int) -> slice:
     return slice(start, start + split[rank])
 
 
-def _init_worker(rank: int, store: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
-                            world_size=WORLD_SIZE)
-
-
-def _run_workers(worker, tmp_path: Path, timeout: float = 60.0) -> list[dict]:
-    """Spawn WORLD_SIZE workers, fail (instead of hanging) if they get stuck."""
-    ctx = mp.spawn(worker, args=(str(tmp_path / "store"), str(tmp_path)),
-                   nprocs=WORLD_SIZE, join=False)
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=0.5):  # re-raises a worker's exception
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("workers did not finish: mismatched collectives?")
-    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD_SIZE)]
-
-
 @pytest.fixture
 def gloo_env(monkeypatch) -> None:
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
@@ -84,32 +62,28 @@ def gloo_env(monkeypatch) -> None:
 # ----------------------------------------------------- numerics vs BatchNorm
 
 
-def _numerics_worker(rank: int, store: str, out_dir: str) -> None:
-    _init_worker(rank, store)
-    try:
-        results = {}
-        for idx, (name, (_, shape, momentum, split)) in enumerate(CASES.items()):
-            bn = CPUSyncBatchNorm(shape[1], momentum=momentum)
-            _init_affine(bn, idx)
-            for it in range(ITERATIONS):
-                x, g = _data(idx, it, shape)
-                sl = _rank_slice(split, rank)
-                x = x[sl].clone().requires_grad_()
-                out = bn(x)
-                (out * g[sl]).sum().backward()  # local loss: this rank's samples only
-                results[f"{name}/{it}"] = {
-                    "out": out.detach(), "grad_in": x.grad,
-                    "grad_w": bn.weight.grad.clone(), "grad_b": bn.bias.grad.clone(),
-                }
-                bn.zero_grad()
-            results[f"{name}/buffers"] = dict(bn.named_buffers())
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def _numerics_worker(rank: int, world_size: int) -> dict:
+    results = {}
+    for idx, (name, (_, shape, momentum, split)) in enumerate(CASES.items()):
+        bn = CPUSyncBatchNorm(shape[1], momentum=momentum)
+        _init_affine(bn, idx)
+        for it in range(ITERATIONS):
+            x, g = _data(idx, it, shape)
+            sl = _rank_slice(split, rank)
+            x = x[sl].clone().requires_grad_()
+            out = bn(x)
+            (out * g[sl]).sum().backward()  # local loss: this rank's samples only
+            results[f"{name}/{it}"] = {
+                "out": out.detach(), "grad_in": x.grad,
+                "grad_w": bn.weight.grad.clone(), "grad_b": bn.bias.grad.clone(),
+            }
+            bn.zero_grad()
+        results[f"{name}/buffers"] = dict(bn.named_buffers())
+    return results
 
 
 def test_matches_batchnorm_on_global_batch(tmp_path, gloo_env) -> None:
-    ranks = _run_workers(_numerics_worker, tmp_path)
+    ranks = run_ranks(_numerics_worker, WORLD_SIZE, tmp_path, timeout=120)
 
     for idx, (name, (bn_cls, shape, momentum, _)) in enumerate(CASES.items()):
         ref = bn_cls(shape[1], momentum=momentum)
@@ -150,34 +124,29 @@ def _ddp_data() -> tuple[torch.Tensor, torch.Tensor]:
     return x, g
 
 
-def _ddp_worker(rank: int, store: str, out_dir: str) -> None:
-    _init_worker(rank, store)
+def _ddp_worker(rank: int, world_size: int) -> dict:
+    # torch's own SyncBatchNorm is refused by DDP for CPU modules.
     try:
-        # torch's own SyncBatchNorm is refused by DDP for CPU modules.
-        try:
-            DDP(nn.SyncBatchNorm.convert_sync_batchnorm(_small_cnn()), bucket_cap_mb=None)
-            torch_error = ""
-        except ValueError as e:
-            torch_error = str(e)
-        gc.collect()  # drop the half-built DDP before we go on
+        DDP(nn.SyncBatchNorm.convert_sync_batchnorm(_small_cnn()), bucket_cap_mb=None)
+        torch_error = ""
+    except ValueError as e:
+        torch_error = str(e)
+    gc.collect()  # drop the half-built DDP before we go on
 
-        model = convert_sync_batchnorm(_small_cnn(), torch.device("cpu"))
-        ddp = DDP(model, bucket_cap_mb=None)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        x, g = _ddp_data()
-        sl = _rank_slice((8, 8), rank)
-        (ddp(x[sl]) * g[sl]).sum().backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        opt.step()
-        del ddp, opt  # before destroy_process_group(), or exit may hang
-        torch.save({"grads": grads, "state": model.state_dict(), "torch_error": torch_error},
-                   Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    model = convert_sync_batchnorm(_small_cnn(), torch.device("cpu"))
+    ddp = DDP(model, bucket_cap_mb=None)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    x, g = _ddp_data()
+    sl = _rank_slice((8, 8), rank)
+    (ddp(x[sl]) * g[sl]).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    opt.step()
+    del ddp, opt  # before destroy_process_group(), or exit may hang
+    return {"grads": grads, "state": model.state_dict(), "torch_error": torch_error}
 
 
 def test_ddp_cpu_model_trains_one_step(tmp_path, gloo_env) -> None:
-    ranks = _run_workers(_ddp_worker, tmp_path)
+    ranks = run_ranks(_ddp_worker, WORLD_SIZE, tmp_path, timeout=120)
 
     ref = _small_cnn()
     x, g = _ddp_data()
