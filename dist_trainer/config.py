@@ -174,12 +174,23 @@ class EPConfig:
 
 
 @dataclass
+class CPConfig:
+    # Context-parallel degree (1: none): each group of this many consecutive data-parallel ranks splits every
+    # sequence's tokens between them (parallel/cp.py); they see the same sequences, their gradients are reduced
+    # with the others' (fsdp shards over them too).
+    size: int = 1
+    method: str = "ring"  # ring: keys and values passed around the group | ulysses: all-to-all of heads
+    layout: str = "zigzag"  # zigzag: chunks r and 2 cp - 1 - r (equal causal work) | contiguous
+
+
+@dataclass
 class DistConfig:
     strategy: str = "ddp"  # ddp | fsdp
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     tp: TPConfig = field(default_factory=TPConfig)
     pp: PPConfig = field(default_factory=PPConfig)
     ep: EPConfig = field(default_factory=EPConfig)
+    cp: CPConfig = field(default_factory=CPConfig)
     # Class names of the model's repeated blocks (FSDP units, activation checkpointing);
     # null: what the model declares in _no_split_modules.
     blocks: Optional[List[str]] = None
@@ -294,6 +305,7 @@ class MeshShape:
     # dist.pp.schedule=zero_bubble with 2 stages a rank), where the first and the last stage are both group 0's.
     pp_v: bool = False
     ep: int = 1
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
@@ -309,9 +321,14 @@ class MeshShape:
         return rank // self.stage_ranks
 
     @property
+    def grad_ranks(self) -> int:
+        """Ranks whose gradients are averaged (replicate x shard): the data ranks' cp ranks included."""
+        return self.replicate * self.shard
+
+    @property
     def data_ranks(self) -> int:
         """Ranks that see different micro-batches: the batch plan's unit."""
-        return self.replicate * self.shard
+        return self.replicate * self.shard // self.cp
 
     def counts_batch(self, rank: int) -> bool:
         """Whether ``rank``'s micro-batches count in the step's totals: one rank per tensor-parallel group,
@@ -323,10 +340,23 @@ class MeshShape:
         """The stage group holding the last stage (and the loss): pp - 1, or 0 under the V placement."""
         return 0 if self.pp_v else self.pp - 1
 
-    def data_rank(self, rank: int) -> int:
-        """Which micro-batches global ``rank`` sees: the same for every rank of a tensor-parallel group and
-        for every stage of a pipeline."""
+    def grad_rank(self, rank: int) -> int:
+        """Global ``rank``'s index among the gradient ranks of its stage group (replicate x shard)."""
         return (rank % self.stage_ranks) // self.tp
+
+    def data_rank(self, rank: int) -> int:
+        """Which micro-batches global ``rank`` sees: the same for every rank of a tensor-parallel group, of a
+        context-parallel group and for every stage of a pipeline."""
+        return self.grad_rank(rank) // self.cp
+
+    def cp_rank(self, rank: int) -> int:
+        """Which part of each sequence's tokens global ``rank`` holds (0 without context parallelism)."""
+        return self.grad_rank(rank) % self.cp
+
+    def counts_samples(self, rank: int) -> bool:
+        """Whether ``rank`` counts its micro-batches' samples: one rank of a context-parallel group (its cp
+        ranks hold parts of the same sequences), where ``counts_batch`` holds."""
+        return self.counts_batch(rank) and self.cp_rank(rank) == 0
 
     def ep_rank(self, rank: int) -> int:
         """Which slice of the experts global ``rank`` holds (0 without expert parallelism)."""
@@ -373,12 +403,26 @@ class MeshShape:
             text = (f"{text}; experts split over expert-parallel groups of {self.ep} data ranks, their gradients "
                     f"reduced over {self.expert_data_ranks}"
                     + (" (fsdp: each slice sharded over them)" if self.shards_experts else ""))
+        if self.cp > 1:
+            text = (f"{text}; each sequence's tokens split over context-parallel groups of {self.cp} of them "
+                    f"({self.data_ranks} data-parallel ranks)")
         return text if self.pp == 1 else f"pipeline of {self.pp} stage groups, each {text}"
 
 
 def derive_mesh(dist: "DistConfig", world_size: int, local_world_size: int) -> MeshShape:
     """The mesh of ``dist.pp.size``, ``dist.tp.size``, ``dist.strategy``, ``dist.fsdp.shard_size`` and
-    ``dist.ep.size``; ConfigError naming the key."""
+    ``dist.ep.size`` and ``dist.cp.size``; ConfigError naming the key."""
+    cp = dist.cp.size
+    _check(isinstance(cp, int) and not isinstance(cp, bool) and cp >= 1, "dist.cp.size", cp,
+           "must be an integer >= 1 (1: no context parallelism)")
+    if cp > 1:  # taken from the gradient ranks: the shape without it, then cp groups within each shard group
+        shape = derive_mesh(replace(dist, cp=CPConfig()), world_size, local_world_size)
+        inner = shape.shard if shape.strategy == "fsdp" else shape.replicate
+        _check(inner % cp == 0, "dist.cp.size", cp,
+               f"must divide the {inner} ranks of a " + ("shard group (dist.fsdp.shard_size)" if shape.strategy ==
+                                                          "fsdp" else "data-parallel world")
+               + f" (one of {_divisors(inner)}): a context-parallel group is made of data-parallel ranks")
+        return replace(shape, cp=cp)
     ep = dist.ep.size
     _check(isinstance(ep, int) and not isinstance(ep, bool) and ep >= 1, "dist.ep.size", ep,
            "must be an integer >= 1 (1: no expert parallelism)")
@@ -437,14 +481,15 @@ class BatchPlan:
 
     @property
     def data_ranks(self) -> int:
-        """Ranks that see different micro-batches (world / dist.tp.size): micro x accum x data ranks = global."""
+        """Ranks that see different micro-batches (world / tp / pp / cp): micro x accum x data ranks = global."""
         return self.world_size if self.mesh is None else self.mesh.data_ranks
 
     def describe(self) -> str:
         ranks = (f"world size {self.world_size}" if self.data_ranks == self.world_size else
                  f"data-parallel ranks {self.data_ranks} (world size {self.world_size}"
                  + (f" / tp {self.mesh.tp}" if self.mesh.tp > 1 else "")
-                 + (f" / pp {self.mesh.pp}" if self.mesh.pp > 1 else "") + ")")
+                 + (f" / pp {self.mesh.pp}" if self.mesh.pp > 1 else "")
+                 + (f" / cp {self.mesh.cp}" if self.mesh.cp > 1 else "") + ")")
         return (
             f"{ranks} x micro batch {self.micro_batch_size} "
             f"x accum steps {self.accum_steps} = global batch {self.global_batch_size} "
@@ -758,6 +803,40 @@ def _validate_ep(cfg: Config, mesh: MeshShape) -> None:
            "experts' FP32 masters would be whole): use a *-mixed precision, or dist.strategy=fsdp")
 
 
+CP_MODEL = "dist_trainer.models.GPT"  # the model context parallelism supports so far
+
+
+def _validate_cp(cfg: Config, mesh: MeshShape) -> None:
+    """``dist.cp.*`` against the mesh and the model; a ConfigError before the first collective."""
+    cp = cfg.dist.cp
+    _check(cp.method in ("ring", "ulysses"), "dist.cp.method", cp.method, "choose ring or ulysses")
+    _check(cp.layout in ("zigzag", "contiguous"), "dist.cp.layout", cp.layout, "choose zigzag or contiguous")
+    if mesh.cp == 1:
+        return
+    for key, n in (("dist.tp.size", mesh.tp), ("dist.pp.size", mesh.pp), ("dist.ep.size", mesh.ep)):
+        _check(n == 1, "dist.cp.size", mesh.cp, f"with {key}={n} is not supported yet: set one of them to 1")
+    model = cfg.model
+    _check(model.get("_target_") == CP_MODEL, "dist.cp.size", mesh.cp,
+           f"supports the built-in GPT (model._target_={CP_MODEL}) so far, not {model.get('_target_')}: "
+           "set dist.cp.size=1")
+    moe = model.get("moe") or {}
+    _check(not moe.get("num_experts"), "dist.cp.size", mesh.cp,
+           "with MoE layers (model.moe.num_experts > 0) is not supported yet: set dist.cp.size=1")
+    _check(not model.get("dropout"), "model.dropout", model.get("dropout"),
+           f"must be 0 with dist.cp.size={mesh.cp}: attention dropout is not split over the cp ranks")
+    _check(not cfg.trainer.compile, "trainer.compile", True,
+           f"with dist.cp.size={mesh.cp} is not supported yet: set trainer.compile=false")
+    unit = 2 * mesh.cp if cp.layout == "zigzag" else mesh.cp
+    block = model.get("block_size")
+    _check(isinstance(block, int) and block % unit == 0, "data.block_size", block,
+           f"must be a multiple of {unit} with dist.cp.size={mesh.cp} and dist.cp.layout={cp.layout} (each rank "
+           + ("two chunks of every sequence)" if cp.layout == "zigzag" else "one chunk of every sequence)"))
+    heads = model.get("n_head")
+    _check(cp.method != "ulysses" or (isinstance(heads, int) and heads % mesh.cp == 0), "dist.cp.method",
+           cp.method, f"needs model.n_head={heads} divisible by dist.cp.size={mesh.cp} (each rank attends over "
+           "n_head / cp heads of the whole sequence): use ring, or another cp size")
+
+
 def resolve_reshard(dist: DistConfig) -> Optional[str]:
     """``dist.fsdp.reshard=auto`` made a mode, in place, so that everything after validate sees the mode alone.
 
@@ -838,10 +917,11 @@ def validate(cfg: Config, world_size: int, local_world_size: Optional[int] = Non
         batch = BatchConfig(micro_batch_size=1, global_batch_size=glob)  # provisional, until the finder runs
     mesh = derive_mesh(cfg.dist, world_size, local_world_size or world_size)
     _validate_ep(cfg, mesh)
+    _validate_cp(cfg, mesh)
     # The ranks of one tensor-parallel group see the same micro-batches: the split counts data-parallel ranks.
     accum, glob = derive_batch(batch, mesh.data_ranks, "world size" if mesh.data_ranks == world_size else
                                "data-parallel ranks (" + ", ".join(f"dist.{k}.size={n}" for k, n in
-                                                                    (("tp", mesh.tp), ("pp", mesh.pp)) if n > 1) + ")")
+                                                                    (("tp", mesh.tp), ("pp", mesh.pp), ("cp", mesh.cp)) if n > 1) + ")")
     if mesh.pp > 1:
         _check_pp_window(cfg.dist.pp, accum, glob, mesh.data_ranks, batch.micro_batch_size)
     return BatchPlan(

@@ -144,6 +144,9 @@ class Trainer:
         # tensor-parallel group (which ran the same ones) and on every pipeline stage but the last (which
         # computes the loss); 1 everywhere without tp or pp.
         self.batch_share = float(plan.mesh is None or plan.mesh.counts_batch(env.rank))
+        # Samples likewise, and once per context-parallel group: its ranks hold parts of the same sequences
+        # (their tokens, and so the loss and the items, count on each).
+        self.sample_share = float(plan.mesh is None or plan.mesh.counts_samples(env.rank))
         # Pipeline stages: the strategy's schedule runs the window's forward and backward passes.
         self.pipeline = getattr(strategy, "run_window", None)
         # MoE layers' routing statistics and balancing terms (a NoRouting for a dense model).
@@ -270,7 +273,7 @@ class Trainer:
         # this step stops the run after it, not after the next one.
         # The ranks of one tensor-parallel group ran the same micro-batches: the first speaks for them.
         share = self.batch_share
-        stats[0], stats[1], stats[2] = loss_sum * share, items * share, samples * share
+        stats[0], stats[1], stats[2] = loss_sum * share, items * share, samples * self.sample_share
         stats[3] = float(stop_requested())
         stats[5] = float(busy())
         # The strategy knows what this rank holds (the whole gradient, or a shard, maybe
@@ -322,9 +325,10 @@ class Trainer:
             self.weights.zero_grad()
             log.warning("step %d holds no items to learn from (every target ignored?); nothing was updated", step)
             return outcome
-        # The reduction averaged over the data-parallel ranks; undo that, the loss scale and the
-        # divisor, and divide by the true item count of the whole step: one multiply.
-        factor = self.plan.data_ranks * divisor / (scale * items)
+        # The reduction averaged over the data-parallel ranks (their cp ranks too); undo that, the loss scale
+        # and the divisor, and divide by the true item count of the whole step: one multiply.
+        grad_ranks = self.plan.data_ranks if self.plan.mesh is None else self.plan.mesh.grad_ranks
+        factor = grad_ranks * divisor / (scale * items)
         if self.partial_step == "scaled":  # a short last step counts by the samples it holds
             factor *= totals["samples"] / self.plan.global_batch_size
         grad_norm = totals["raw_norm"] * factor

@@ -46,15 +46,21 @@ class CausalSelfAttention(nn.Module):
         self.proj.is_residual_proj = True  # type: ignore[attr-defined]
         self.attn_dropout = dropout
         self.resid_dropout = nn.Dropout(dropout)
+        # Context parallelism (parallel/cp.py) sets the attention over the cp group's tokens here:
+        # (q, k, v) of this rank's tokens -> their causal attention output. None: the local sequence is whole.
+        self.context: Optional[Callable[..., torch.Tensor]] = None
         self.register_load_state_dict_pre_hook(_split_fused_qkv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T = x.shape[:2]
         # (B, T, heads x head_dim) -> (B, heads, T, head_dim); heads: those this rank holds
         q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.attn_dropout if self.training else 0.0, is_causal=True
-        )
+        if self.context is not None:
+            y = self.context(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=self.attn_dropout if self.training else 0.0, is_causal=True
+            )
         y = y.transpose(1, 2).reshape(B, T, -1)
         return self.resid_dropout(self.proj(y))
 
@@ -201,18 +207,19 @@ class GPT(nn.Module):
     pp_first = ("tok_emb", "pos_emb", "drop")
     pp_last = ("ln_f", "head")
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The residual stream ``[B, T, n_embd]`` before the first block."""
+    def embed(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The residual stream ``[B, T, n_embd]`` before the first block; ``position_ids`` ``[T]``: the tokens'
+        positions in their sequence (context parallelism holds a part of it), ``0 .. T-1`` if not given."""
         T = input_ids.shape[1]
+        pos = torch.arange(T, device=input_ids.device) if position_ids is None else position_ids
         assert T <= self.block_size, (
             f"sequence length {T} exceeds model block_size {self.block_size}"
         )
-        pos = torch.arange(T, device=input_ids.device)
         return self.drop(self.tok_emb(input_ids) + self.pos_emb(pos))
 
-    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def logits(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Next-token logits ``[B, T, vocab_size]`` for ``input_ids`` ``[B, T]``."""
-        x = self.embed(input_ids)
+        x = self.embed(input_ids, position_ids)
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
@@ -250,7 +257,7 @@ class GPT(nn.Module):
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.routing is not None:  # the positions the balancing terms count: those whose target counts
             self.routing.token_mask = batch["targets"] != IGNORE_INDEX
-        return self.loss_terms(self.logits(batch["input_ids"]), batch["targets"])
+        return self.loss_terms(self.logits(batch["input_ids"], batch.get("position_ids")), batch["targets"])
 
 
 def moe_options(moe: Optional[Dict[str, Any]], n_embd: int) -> Optional[Dict[str, Any]]:

@@ -23,6 +23,7 @@ from ..distributed import DistEnv
 from ..precision import MasterWeights, ModelWeights, Precision, frozen_names
 from ..moe.ep import apply_ep
 from .blocks import prepare_blocks
+from .cp import apply_cp
 from .comm import COMM_KEYS
 from .dcp import dcp_checkpoint_state, dcp_load_checkpoint_state
 from .state import WholeTensors, indexed_optimizer_state, optimizer_param_names, parameter_ties, state_of
@@ -93,8 +94,10 @@ class DDPStrategy:
     def __init__(self, model: nn.Module, env: DistEnv, cfg: DistConfig, mesh: MeshShape, precision: Precision,
                  compile: bool = False):
         precision.prepare(model)  # master modes: half parameters, FP32 norm layers
-        # torchtitan's order: expert parallelism, then checkpointing and compile per block, then the wrapper.
-        self.ep = apply_ep(model.to(env.device), mesh, env.rank, env.device.type)
+        # torchtitan's order: context parallelism's attention, expert parallelism, then checkpointing and
+        # compile per block, then the wrapper.
+        self.cp = apply_cp(model.to(env.device), mesh, cfg.cp, env.rank, env.device.type)
+        self.ep = apply_ep(model, mesh, env.rank, env.device.type)
         prepare_blocks(model, cfg.blocks, cfg.activation_checkpointing, compile)  # before DDP's hooks
         if self.ep.params:
             # An expert slice is not replicated over the ranks: DDP must neither broadcast nor all-reduce it
@@ -110,7 +113,8 @@ class DDPStrategy:
             self.weights.keep_grad_buffers = True
         self.counter = count_allreduces(self.model, self.weights.reduce_bucket, self.weights.sent_element_size)
         self.weights = self.ep.weights(self.weights)  # expert gradients as their local slices
-        self.groups = [dist.group.WORLD, *self.ep.groups]  # every other collective runs on the default group
+        # every other collective runs on the default group
+        self.groups = [dist.group.WORLD, *self.ep.groups, *self.cp.groups]
 
     @contextmanager
     def micro_batch(self, last: bool) -> Iterator[None]:
@@ -150,7 +154,7 @@ class DDPStrategy:
     def comm(self) -> Dict[str, int]:
         ep = self.ep.comm()  # the experts' all-to-alls and edp all-reduces (nothing without ep)
         return {**dict.fromkeys(COMM_KEYS, 0), **ep, "allreduces": self.counter.calls + ep.get("allreduces", 0),
-                "allreduce_bytes": self.counter.bytes + ep.get("allreduce_bytes", 0)}
+                "allreduce_bytes": self.counter.bytes + ep.get("allreduce_bytes", 0), **self.cp.comm()}
 
     def consistency_tensors(self) -> List[Tuple[str, torch.Tensor]]:
         """What must be bit-identical on every rank: parameters (but expert slices), buffers, FP32 masters."""

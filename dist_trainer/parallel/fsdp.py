@@ -56,6 +56,7 @@ from ..distributed import DistEnv
 from ..moe.ep import apply_ep
 from ..precision import Precision
 from .blocks import find_blocks, prepare_blocks
+from .cp import apply_cp
 from .comm import COMM_KEYS
 from .dcp import checkpointed, dcp_checkpoint_state, dcp_load_checkpoint_state  # noqa: F401 (pp imports it here)
 from .state import WholeTensors, local_tensor, parameter_ties
@@ -246,8 +247,9 @@ class FSDPStrategy:
         # torchtitan's order: tensor parallelism, then checkpointing and compile per block, then fully_shard.
         self.tp = (apply_tp(model, tp_mesh, cfg.tp, find_blocks(model, cfg.blocks), count=not compile)
                    if tp_mesh is not None else None)
-        # Then expert parallelism: its slices cut over each ep group, and again over the edp ranks as FSDP units
-        # of their own (moe/ep.py).
+        # Then context parallelism's attention over the cp group (parallel/cp.py), and expert parallelism: its
+        # slices cut over each ep group, and again over the edp ranks as FSDP units of their own (moe/ep.py).
+        self.cp = apply_cp(model, mesh, cfg.cp, env.rank, env.device.type)
         self.ep = apply_ep(model, mesh, env.rank, env.device.type, sharded=mesh.shards_experts)
         blocks = prepare_blocks(model, cfg.blocks, cfg.activation_checkpointing, compile)  # before fully_shard
         self.mesh, self.device = mesh, env.device
@@ -273,7 +275,7 @@ class FSDPStrategy:
         self.accum_sync = cfg.fsdp.accum_sync
         # Replicas hold equal shards: the first replica's ranks alone give the gradient norm. Of a
         # parameter whole on every rank of a tp group (a norm's), the group's first rank alone.
-        first_replica = mesh.data_rank(env.rank) < mesh.shard
+        first_replica = mesh.grad_rank(env.rank) < mesh.shard
         self.weights = ShardedWeights(model)
         first_of_tp = env.rank % mesh.tp == 0
         self.norm_share = {p: float(first_replica and (first_of_tp or tp_sharded(p, tp_mesh)))
@@ -281,7 +283,7 @@ class FSDPStrategy:
         self.norm_share.update({p: self.ep.norm_share for p in self.ep.params})  # each expert once
         self._shares_cache: Tuple[tuple, Optional[torch.Tensor]] = ((), None)
         self.groups = [dist.group.WORLD, *dmesh.get_all_groups(), *(tp_mesh.get_all_groups() if tp_mesh else []),
-                       *self.ep.groups]
+                       *self.ep.groups, *self.cp.groups]
 
     @contextmanager
     def micro_batch(self, last: bool) -> Iterator[None]:
@@ -358,6 +360,7 @@ class FSDPStrategy:
         counts = dict(self.counter.counts)
         for key, value in self.ep.comm().items():  # the experts' all-to-alls and edp all-reduces
             counts[key] = counts.get(key, 0) + value
+        counts.update(self.cp.comm())  # context parallelism's exchanges (nothing without it)
         if self.tp is not None and self.tp.counting:
             for key, value in self.tp.counts.items():
                 counts[key] = value

@@ -56,6 +56,7 @@ from ..moe.ep import ExpertParallel, NoExperts, check_ep
 from ..optim import decay_split
 from ..precision import Precision, frozen_names
 from .blocks import find_blocks, prepare_blocks
+from .cp import apply_cp
 from .fsdp import FSDPStrategy, PeakMeter, ShardedWeights, checkpointed, count_units, mp_policy
 from .state import WholeTensors, local_tensor, named_optimizer_state, parameter_ties
 from .tp import apply_tp, tp_sharded
@@ -424,6 +425,7 @@ class PipelineStrategy(FSDPStrategy):
         # FSDP (ignored_params), their gradients reduced over the edp ranks after the schedule.
         self.ep = (ExpertParallel(model, mesh, env.rank, env.device.type, check=False) if mesh.ep > 1
                    else NoExperts())
+        self.cp = apply_cp(model, mesh, cfg.cp, env.rank, env.device.type)  # none yet: config refuses cp x pp
         held_blocks = prepare_blocks(model, cfg.blocks, cfg.activation_checkpointing, False)  # this rank's blocks
         self.views = [StageModule(model, s, [b for i, b in enumerate(blocks) if i in cuts[s]], s == 0,
                                   s == stages - 1) for s in self.stage_ids]
@@ -442,7 +444,7 @@ class PipelineStrategy(FSDPStrategy):
         self.meter, self.counter = count_units(self.units, mesh.replicate)
         self.model = self.module = model
         self.weights = ShardedWeights(model)
-        first_replica = mesh.data_rank(env.rank) < mesh.shard
+        first_replica = mesh.grad_rank(env.rank) < mesh.shard
         first_of_tp = env.rank % mesh.tp == 0
         tied_copies = {b for _, b in self.ties}
         params = dict(model.named_parameters())

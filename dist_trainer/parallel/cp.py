@@ -1,0 +1,253 @@
+"""Context parallelism (``dist.cp.size``): each sequence's tokens split over the ranks of a cp group.
+
+The cp ranks of a group see the same micro-batches (``MeshShape.data_rank``). Before the model runs, each keeps
+its share of every sequence's positions (``positions``): labels were shifted by the data before the cut, the
+positions stay global (the position embedding reads them), and the loss is each rank's tokens' sum, divided
+like any other by the step's valid tokens over every rank and micro-batch (the trainer's one all-reduce). Only
+attention needs the other ranks' tokens:
+
+* ``ring``: the keys and values travel around the group (cp - 1 exchanges a layer's forward); each block's
+  scores are masked by the global positions and merged by their log-sum-exp (flash attention's online
+  softmax). Backward passes the keys and values around again with their gradients, which end on their owner
+  (cp - 1 and cp exchanges).
+* ``ulysses``: one all-to-all turns (this rank's tokens, every head) into (every token, cp-th of the heads) for
+  q, k and v at once, attention runs causally over the whole sequence, a second all-to-all turns the output
+  back (DeepSpeed-Ulysses). Backward mirrors both.
+
+``zigzag`` gives rank r chunks r and 2 cp - 1 - r of 2 cp equal chunks, so every rank has the same causal work;
+``contiguous`` gives it chunk r of cp (the last rank then does 2 cp - 1 times the first's work). A sequence
+shorter than a multiple of the layout's unit is padded at its end (input 0, label ignored): under a causal mask
+no earlier position sees the padding, so the result is exact.
+
+Gradients: every cp rank's parameters receive the gradient of its tokens' loss (attention's cross terms arrive
+through the exchanged keys' and values' gradients); the strategy's reduction over all gradient ranks (cp ranks
+included) sums them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import CPConfig, MeshShape
+
+IGNORE_INDEX = -100
+
+
+def positions(length: int, cp: int, rank: int, layout: str, device: Any = None) -> torch.Tensor:
+    """The global positions (ascending) of cp rank ``rank``'s tokens in a sequence of ``length`` tokens."""
+    if layout == "zigzag":
+        chunk = length // (2 * cp)
+        low, high = rank * chunk, (2 * cp - 1 - rank) * chunk
+        return torch.cat([torch.arange(low, low + chunk, device=device),
+                          torch.arange(high, high + chunk, device=device)])
+    chunk = length // cp
+    return torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+
+
+class CPCounter:
+    """The cp collectives a rank issued: ring exchanges (a send each) or all-to-alls, with their bytes."""
+
+    def __init__(self) -> None:
+        self.counts = {"cp_sends": 0, "cp_send_bytes": 0, "cp_all_to_alls": 0, "cp_all_to_all_bytes": 0}
+
+    def add(self, kind: str, tensor: torch.Tensor) -> None:
+        self.counts[f"cp_{kind}s"] += 1
+        self.counts[f"cp_{kind}_bytes"] += tensor.numel() * tensor.element_size()
+
+
+class CPGroup:
+    """A rank's context-parallel group: its size, its index, its neighbours and the layout."""
+
+    def __init__(self, group: dist.ProcessGroup, size: int, rank: int, layout: str, counter: CPCounter) -> None:
+        self.group, self.size, self.rank, self.layout, self.counter = group, size, rank, layout, counter
+        self.next = dist.get_global_rank(group, (rank + 1) % size)
+        self.prev = dist.get_global_rank(group, (rank - 1) % size)
+
+    def positions(self, local: int, rank: int, device: Any) -> torch.Tensor:
+        """The global positions of cp rank ``rank``'s ``local`` tokens (every rank holds as many)."""
+        return positions(local * self.size, self.size, rank, self.layout, device)
+
+    def pass_on(self, tensor: torch.Tensor, tag: int = 0) -> tuple[torch.Tensor, List[Any]]:
+        """Send ``tensor`` to the next rank and receive the previous rank's into a new one (not yet waited);
+        ``tag`` tells two exchanges in flight at once apart (a block's values and its gradients)."""
+        tensor = tensor.contiguous()
+        received = torch.empty_like(tensor)  # contiguous too: empty_like keeps a permuted tensor's strides
+        self.counter.add("send", tensor)
+        works = [dist.isend(tensor, self.next, group=self.group, tag=tag),
+                 dist.irecv(received, self.prev, group=self.group, tag=tag)]
+        return received, works
+
+    def all_to_all(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Dim 0 (``size`` equal parts) scattered over the group: part j to rank j, rank i's part j-th."""
+        tensor = tensor.contiguous()
+        received = torch.empty_like(tensor)  # contiguous too: empty_like keeps a permuted tensor's strides
+        self.counter.add("all_to_all", tensor)
+        dist.all_to_all_single(received, tensor, group=self.group)
+        return received
+
+
+def _wait(works: List[Any]) -> None:
+    for work in works:
+        work.wait()
+
+
+def _block(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One key block's causal scores of the queries (``[B, H, Tq, Tk]``, -inf where masked) and their log-sum-exp
+    per query (-inf for a query that sees none of the block)."""
+    scores = (q @ k.transpose(-2, -1)) * scale
+    scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    return scores, torch.logsumexp(scores, dim=-1)
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+
+
+class _RingAttention(torch.autograd.Function):
+    """Causal attention over the group's tokens, keys and values passed around the ring; at least float32
+    inside."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: CPGroup) -> torch.Tensor:
+        dtype, local = q.dtype, q.shape[-2]
+        inner = torch.promote_types(dtype, torch.float32)  # float32 under autocast's half types, float64 kept
+        q, k, v = q.to(inner), k.to(inner), v.to(inner)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        q_pos = ring.positions(local, ring.rank, q.device)
+        kv = torch.stack([k, v])
+        out: Optional[torch.Tensor] = None
+        lse = torch.empty(0)
+        for step in range(ring.size):
+            works: List[Any] = []
+            if step < ring.size - 1:  # the next block travels while this one is computed
+                incoming, works = ring.pass_on(kv)
+            source = (ring.rank - step) % ring.size
+            scores, block_lse = _block(q, kv[0], q_pos, ring.positions(local, source, q.device), scale)
+            block_out = torch.exp(scores - _finite(block_lse)[..., None]) @ kv[1]
+            if out is None:  # this rank's own block: every query sees at least itself, so lse is finite
+                out, lse = block_out, block_lse
+            else:  # the online-softmax merge
+                merged = torch.logaddexp(lse, block_lse)
+                out = out * torch.exp(lse - merged)[..., None] + block_out * torch.exp(block_lse - merged)[..., None]
+                lse = merged
+            if works:
+                _wait(works)
+                kv = incoming
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.scale = ring, scale
+        return out.to(dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, scale = ctx.ring, ctx.scale
+        dtype, local = grad_out.dtype, q.shape[-2]
+        grad_out = grad_out.to(q.dtype)
+        q_pos = ring.positions(local, ring.rank, q.device)
+        delta = (grad_out * out).sum(-1, keepdim=True)  # the softmax's backward term, per query
+        dq = torch.zeros_like(q)
+        kv = torch.stack([k, v])
+        dkv = torch.zeros_like(kv)  # the gradients of the block held, travelling with it back to its owner
+        for step in range(ring.size):
+            works: List[Any] = []
+            if step < ring.size - 1:
+                incoming, works = ring.pass_on(kv)
+            source = (ring.rank - step) % ring.size
+            scores, _ = _block(q, kv[0], q_pos, ring.positions(local, source, q.device), scale)
+            p = torch.exp(scores - lse[..., None])  # this block's attention weights under the whole softmax
+            dp = grad_out @ kv[1].transpose(-2, -1)
+            ds = p * (dp - delta)
+            dq += (ds @ kv[0]) * scale
+            dkv = dkv + torch.stack([(ds.transpose(-2, -1) @ q) * scale, p.transpose(-2, -1) @ grad_out])
+            dkv, grad_works = ring.pass_on(dkv, tag=1)  # after cp passes it is back on its owner: this rank's own
+            _wait(grad_works)
+            if works:
+                _wait(works)
+                kv = incoming
+        return dq.to(dtype), dkv[0].to(dtype), dkv[1].to(dtype), None
+
+
+class _AllToAll(torch.autograd.Function):
+    """The group's all-to-all over dim 0; its backward is the same exchange of the gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: CPGroup) -> torch.Tensor:
+        ctx.group = group
+        return group.all_to_all(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None]:
+        return ctx.group.all_to_all(grad), None
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: CPGroup) -> torch.Tensor:
+    """Causal attention: heads cut over the group, each rank attending over the whole sequence."""
+    B, H, local, D = q.shape
+    cp = group.size
+    # [3, B, H, T/cp, D] -> [cp (heads' group), 3, B, H/cp, T/cp, D]: part j to rank j
+    qkv = torch.stack([q, k, v]).view(3, B, cp, H // cp, local, D).permute(2, 0, 1, 3, 4, 5)
+    got = _AllToAll.apply(qkv, group)  # [cp (source rank), 3, B, H/cp, T/cp, D]
+    # The sources' tokens side by side, then in sequence order (each rank's positions are its own).
+    order = torch.cat([group.positions(local, r, q.device) for r in range(cp)])
+    to_natural = torch.argsort(order)
+    whole = got.permute(1, 2, 3, 0, 4, 5).reshape(3, B, H // cp, cp * local, D)[:, :, :, to_natural]
+    y = F.scaled_dot_product_attention(whole[0], whole[1], whole[2], is_causal=True)  # [B, H/cp, T, D]
+    back = y[:, :, order].view(B, H // cp, cp, local, D).permute(2, 0, 1, 3, 4)  # [cp (tokens' owner), ...]
+    mine = _AllToAll.apply(back, group)  # [cp (heads' group), B, H/cp, T/cp, D]
+    return mine.permute(1, 0, 2, 3, 4).reshape(B, H, local, D)
+
+
+class ContextParallel:
+    """``dist.cp.size`` applied to a model: its batch cut into this rank's positions, its attention exchanged.
+
+    The model declares where (its attention modules' ``context`` attribute, and ``position_ids`` read from the
+    batch); nothing of its forward is replaced."""
+
+    def __init__(self, model: nn.Module, mesh: MeshShape, cfg: CPConfig, rank: int, device_type: str) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.counter = CPCounter()
+        self.size = mesh.cp
+        self.groups: List[dist.ProcessGroup] = []
+        if mesh.cp == 1:
+            return
+        root = init_device_mesh(device_type, (mesh.grad_ranks // mesh.cp, mesh.cp), mesh_dim_names=("dp", "cp"))
+        group = root["cp"].get_group()
+        self.groups = [group]
+        self.group = CPGroup(group, mesh.cp, mesh.cp_rank(rank), cfg.layout, self.counter)
+        self.unit = 2 * mesh.cp if cfg.layout == "zigzag" else mesh.cp
+        attention = (lambda q, k, v: _RingAttention.apply(q, k, v, self.group)) if cfg.method == "ring" else (
+            lambda q, k, v: ulysses_attention(q, k, v, self.group))
+        modules = [m for m in model.modules() if hasattr(m, "context")]
+        if not modules:
+            raise ValueError(f"dist.cp.size={mesh.cp}: {type(model).__name__} declares no attention for context "
+                             "parallelism (a module with a `context` attribute)")
+        for module in modules:
+            module.context = attention
+        model.register_forward_pre_hook(self._cut)
+
+    def _cut(self, module: nn.Module, args: tuple) -> tuple:
+        """The micro-batch's sequences cut to this rank's positions (padded to the layout's unit first)."""
+        batch: Dict[str, torch.Tensor] = args[0]
+        ids, targets = batch["input_ids"], batch["targets"]
+        pad = -ids.shape[1] % self.unit
+        if pad:  # at the end, where a causal mask hides it from every real position
+            ids, targets = F.pad(ids, (0, pad), value=0), F.pad(targets, (0, pad), value=IGNORE_INDEX)
+        mine = self.group.positions(ids.shape[1] // self.size, self.group.rank, ids.device)
+        return ({**batch, "input_ids": ids[:, mine], "targets": targets[:, mine], "position_ids": mine},
+                *args[1:])
+
+    def comm(self) -> Dict[str, int]:
+        return dict(self.counter.counts) if self.size > 1 else {}
+
+
+def apply_cp(model: nn.Module, mesh: MeshShape, cfg: CPConfig, rank: int, device_type: str) -> ContextParallel:
+    """Context parallelism on ``model`` in place (nothing without it)."""
+    return ContextParallel(model, mesh, cfg, rank, device_type)

@@ -1,0 +1,240 @@
+"""Context parallelism (dist.cp.size=2) against one process and one big batch.
+
+First the attention alone: 2 real ranks on gloo hold each half of a sequence's tokens (zig-zag or contiguous),
+and ring and Ulysses attention give the outputs and the q, k, v gradients of one process's causal attention
+over the whole sequence, in float64 (to 1e-12 of their scale: the method is exact, only rounding differs) and
+float32 (SCALE_TOL).
+
+Then training: a 2-layer GPT on 8 sequences a step whose valid tokens differ from sequence to sequence (some
+cp halves hold no valid label at all), split 2 cp ranks x 2 micro-batches of 4 whole sequences, against one
+process with one batch of 8. Every step's loss, item count, sample count and gradient norm, the gradients of
+step 1 and the weights after 3 AdamW steps are compared within SCALE_TOL of their scale, under ddp and fsdp,
+ring and ulysses, both layouts, activation checkpointing, clipping, and sequences of 22 tokens padded to 24.
+A run whose cp ranks drop the other half's keys (attention local to each rank) fails the same comparison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import Subset
+
+from dist_trainer import distributed
+from dist_trainer.config import ConfigError, CPConfig, validate
+from dist_trainer.data import epoch_batches
+from dist_trainer.data.builtin import char_text
+from dist_trainer.parallel.cp import CPCounter, CPGroup, _RingAttention, positions, ulysses_attention
+from dist_trainer.run import build
+from helpers import SCALE_TOL, assert_close_scaled, run_ranks, scaled_error
+from test_accumulation import _assert_close, _token_length, gpt_config, in_one_process, launch_clean
+from test_fsdp import _named_full
+
+STEPS, GLOBAL = 3, 8
+MODEL = {"vocab_size": 256, "block_size": 24, "n_layer": 2, "n_head": 2, "n_embd": 16, "dropout": 0.0, "bias": False}
+CLIP = 0.05
+
+
+# ------------------------------------------------------------------------------------------ attention alone
+
+SHAPE = (2, 4, 16, 8)  # batch, heads, tokens, head width
+
+
+def _attention_worker(rank: int, world_size: int) -> dict:
+    out = {}
+    for dtype in (torch.float64, torch.float32):
+        gen = torch.Generator().manual_seed(7)
+        q, k, v, g = (torch.randn(SHAPE, generator=gen, dtype=dtype) for _ in range(4))
+        for method in ("ring", "ulysses"):
+            for layout in ("zigzag", "contiguous"):
+                group = CPGroup(dist.group.WORLD, world_size, rank, layout, CPCounter())
+                mine = positions(SHAPE[2], world_size, rank, layout)
+                ql, kl, vl = (t[:, :, mine].clone().requires_grad_() for t in (q, k, v))
+                y = (_RingAttention.apply(ql, kl, vl, group) if method == "ring" else
+                     ulysses_attention(ql, kl, vl, group))
+                (y * g[:, :, mine]).sum().backward()
+                out[(str(dtype), method, layout)] = {"positions": mine, "y": y.detach(), "dq": ql.grad,
+                                                     "dk": kl.grad, "dv": vl.grad, "counts": group.counter.counts}
+    return out
+
+
+@pytest.fixture(scope="module")
+def attention(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mpatch:
+        mpatch.setenv("OMP_NUM_THREADS", "1")
+        mpatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+        return run_ranks(_attention_worker, 2, tmp_path_factory.mktemp("cp-attention"), timeout=120)
+
+
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, SCALE_TOL)])
+def test_cp_attention_equals_whole_sequence_attention(attention, method, layout, dtype, tol):
+    gen = torch.Generator().manual_seed(7)
+    q, k, v, g = (torch.randn(SHAPE, generator=gen, dtype=dtype).requires_grad_(i < 3) for i in range(4))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    (y * g).sum().backward()
+    got = [r[(str(dtype), method, layout)] for r in attention]
+    assert sorted(torch.cat([r["positions"] for r in got]).tolist()) == list(range(SHAPE[2]))
+    for name, ref in (("y", y.detach()), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+        whole = torch.empty_like(ref)
+        for r in got:
+            whole[:, :, r["positions"]] = r[name]
+        assert_close_scaled(whole, ref, f"{method} {layout} {dtype} {name}", tol=tol)
+    # A layer's forward and backward: ring passes keys and values on cp - 1 times forward, and again backward
+    # with their gradients cp times; ulysses exchanges q, k, v and the output once each way.
+    counts = got[0]["counts"]
+    if method == "ring":
+        assert (counts["cp_sends"], counts["cp_all_to_alls"]) == (1 + 1 + 2, 0)
+    else:
+        assert (counts["cp_sends"], counts["cp_all_to_alls"]) == (0, 4)
+
+
+def test_zigzag_gives_every_rank_equal_causal_work():
+    def work(rank: int, layout: str) -> int:  # (query, key) pairs a causal mask keeps on one of 4 ranks
+        return int((positions(64, 4, rank, layout) + 1).sum())
+    assert len({work(r, "zigzag") for r in range(4)}) == 1
+    assert work(3, "contiguous") > 6 * work(0, "contiguous")  # 904 against 136
+
+
+# ------------------------------------------------------------------------------------------------- training
+
+
+def short_text() -> Subset:
+    """Items of 22 tokens (a multiple of neither layout's unit: padded to 24) whose valid lengths vary as
+    ``unbalanced_text``'s do, 24 excepted."""
+    base = char_text(block_size=22, min_len=1)
+    lengths = [min(_token_length(s, p), 22) for s in range(STEPS) for p in range(GLOBAL)]
+    pools = {n: [i for i in range(2000) if base.valid_length(i) == n] for n in set(lengths)}
+    return Subset(base, [pools[n].pop(0) for n in lengths])
+
+
+def cp_config(micro: int, cp: int = 1, method: str = "ring", layout: str = "zigzag", strategy: str = "ddp",
+              clip: bool = False, checkpointing: bool = False, data_block: int = 24):
+    cfg = gpt_config(micro)
+    cfg.model = {**cfg.model, **MODEL}
+    if data_block != MODEL["block_size"]:
+        cfg.data = {"_target_": f"{__name__}.short_text", "shuffle": False}
+    cfg.batch = dataclasses.replace(cfg.batch, global_batch_size=GLOBAL)
+    cfg.optim = dataclasses.replace(cfg.optim, eps=1e-6, grad_clip=CLIP if clip else None)
+    cfg.trainer = dataclasses.replace(cfg.trainer, max_steps=STEPS)
+    return dataclasses.replace(cfg, dist=dataclasses.replace(
+        cfg.dist, strategy=strategy, cp=CPConfig(size=cp, method=method, layout=layout),
+        activation_checkpointing=checkpointing))
+
+
+REFS = {"plain": cp_config(GLOBAL), "clip": cp_config(GLOBAL, clip=True), "pad": cp_config(GLOBAL, data_block=22)}
+CASES = {  # name: (cp 2 config on 2 ranks, its one-process reference)
+    "ring-zigzag-ddp": (cp_config(4, 2), "plain"),
+    "ring-contiguous-fsdp-clip": (cp_config(4, 2, layout="contiguous", strategy="fsdp", clip=True), "clip"),
+    "ulysses-zigzag-fsdp-ac": (cp_config(4, 2, "ulysses", strategy="fsdp", checkpointing=True), "plain"),
+    "ulysses-contiguous-ddp-pad": (cp_config(4, 2, "ulysses", "contiguous", data_block=22), "pad"),
+    "ring-zigzag-ddp-local": (cp_config(4, 2), "plain"),  # broken on purpose: no exchange
+}
+
+
+def _run_job(env, world_size: int, name: str, cfg) -> dict:
+    """Each step's outcome, whole gradients of step 1, whole weights after the last step."""
+    plan = validate(cfg, world_size)
+    parts = build(cfg, plan, env)
+    trainer, module = parts.trainer, parts.trainer.module
+    if name.endswith("local") and world_size > 1:  # each rank attends over its own tokens only
+        for block in module.blocks:
+            block.attn.context = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    rec = {"outcomes": [], "grads": [], "params": []}
+    for step, (window, micro_batches) in zip(range(1, STEPS + 1),
+                                             epoch_batches(parts.train_set, parts.step_plan, 0, 0, 0, False)):
+        rec["outcomes"].append(dataclasses.asdict(trainer.train_step(micro_batches, window, step)))
+        if step == 1:
+            rec["grads"].append(_named_full(module, grads=True))
+    rec["params"].append(_named_full(module, grads=False))
+    return rec
+
+
+def _worker(rank: int, world_size: int, jobs: list[tuple]) -> dict:
+    env = distributed.init("cpu")
+    results = {}
+    for name, cfg in jobs:
+        try:
+            results[name] = _run_job(env, world_size, name, cfg)
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+        gc.collect()
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    one = in_one_process(_worker, list(REFS.items()))
+    two = launch_clean(_worker, 2, tmp_path_factory.mktemp("cp2"), [(n, c) for n, (c, _) in CASES.items()])
+    return one, two
+
+
+def _rec(results: dict, name: str) -> dict:
+    rec = results[name]
+    if "error" in rec:
+        pytest.fail(f"job {name} raised:\n{rec['error']}")
+    return rec
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if not n.endswith("local")])
+def test_context_parallel_split_equals_one_big_batch(runs, name):
+    one, two = runs
+    ref = _rec(one, CASES[name][1])
+    for rank in range(2):
+        got = _rec(two[rank], name)
+        for step, (a, b) in enumerate(zip(got["outcomes"], ref["outcomes"]), 1):
+            assert (a["items"], a["samples"]) == (b["items"], b["samples"]) and not a["skipped"], f"{name} {step}"
+            assert a["loss"] == pytest.approx(b["loss"], rel=SCALE_TOL), f"{name}: loss at step {step}"
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=SCALE_TOL), f"{name}: norm at step {step}"
+            sends = a["comm"]["cp_sends"] + a["comm"]["cp_all_to_alls"]
+            assert sends > 0, f"{name}: step {step} exchanged nothing over the cp group"
+        _assert_close(got["grads"][0], ref["grads"][0], f"cp2 {name} rank {rank} grads step 1")
+        _assert_close(got["params"][-1], ref["params"][-1], f"cp2 {name} rank {rank} params step {STEPS}")
+
+
+def test_clipping_acts_in_the_clipped_case(runs):
+    one, _ = runs
+    assert _rec(one, "clip")["outcomes"][0]["grad_norm"] > 2 * CLIP
+
+
+def test_attention_without_the_exchange_fails_the_comparison(runs):
+    one, two = runs
+    got, ref = _rec(two[0], "ring-zigzag-ddp-local"), _rec(one, "plain")
+    worst = max(scaled_error(got["grads"][0][k], ref["grads"][0][k]) for k in ref["grads"][0])
+    assert worst > 100 * SCALE_TOL
+
+
+# ---------------------------------------------------------------------------------------------- config errors
+
+
+@pytest.mark.parametrize("change,key", [
+    (dict(cp=3), "dist.cp.size=3"),
+    (dict(data_block=22, block=22), "data.block_size=22"),
+    (dict(method="ulysses", heads=3), "dist.cp.method='ulysses'"),
+    (dict(method="star"), "dist.cp.method='star'"),
+    (dict(layout="striped"), "dist.cp.layout='striped'"),
+    (dict(dropout=0.1), "model.dropout=0.1"),
+    (dict(target="dist_trainer.models.hf.hf_model"), "dist.cp.size=2"),
+])
+def test_what_cannot_work_is_a_config_error_naming_the_key(change, key):
+    cfg = cp_config(4, change.get("cp", 2), change.get("method", "ring"), change.get("layout", "zigzag"))
+    cfg.model = {**cfg.model, "block_size": change.get("block", 24), "n_head": change.get("heads", 2),
+                 "n_embd": 12 if "heads" in change else 16, "dropout": change.get("dropout", 0.0),
+                 "_target_": change.get("target", cfg.model["_target_"])}
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.").replace("[", r"\[")):
+        validate(cfg, 2)
+
+
+def test_the_batch_plan_counts_sequences_once_per_cp_group():
+    plan = validate(cp_config(4, 2), 4)
+    assert (plan.data_ranks, plan.mesh.grad_ranks, plan.accum_steps) == (2, 4, 1)
+    assert [plan.mesh.data_rank(r) for r in range(4)] == [0, 0, 1, 1]
+    assert [plan.mesh.cp_rank(r) for r in range(4)] == [0, 1, 0, 1]
+    assert [plan.mesh.counts_samples(r) for r in range(4)] == [True, False, True, False]
+    assert "context-parallel groups of 2" in plan.mesh.describe()
