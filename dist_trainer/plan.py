@@ -26,6 +26,7 @@ from .moe import routing_of
 from .moe.ep import BACKWARD_ALL_TO_ALLS, FORWARD_ALL_TO_ALLS, expert_params, moe_layers
 from .parallel.blocks import find_blocks
 from .parallel.comm import COMM_KEYS as GRADIENT_COMM_KEYS
+from .parallel.cp import attention_work, expected_cp_comm
 from .parallel.pp import held_along, pp_bubble, pp_inflight, schedule_orders
 from .parallel.tp import TP_COMM_KEYS, expected_tp_comm, local_shapes, norm_activation_bytes, resolve_plan
 from .precision import Precision
@@ -170,6 +171,8 @@ def expected_comm(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Pre
             add_unit_comm(counts, edp, gathered, grad, gathers, scatters)
     if mesh.ep > 1:
         counts.update(ep_comm(cfg, plan, model, counts))
+    if mesh.cp > 1:  # attention's exchanges over each cp group, counted apart
+        counts.update(cp_comm(cfg, plan, model, precision))
     if mesh.tp > 1:  # the activations' collectives, counted apart and in the totals
         tp = tp_comm(cfg, plan, model, precision)
         counts.update(tp)
@@ -179,6 +182,20 @@ def expected_comm(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Pre
     counts["step_allreduce_bytes"] = step_stats_bytes(mesh.world_size)
     counts.update(moe_step_allreduces(plan, model, counts))
     return counts
+
+
+def _activation_size(precision: Precision) -> int:
+    """Bytes of an activation element: the autocast dtype's, else the parameters'."""
+    dtype = precision.autocast_dtype or precision.param_dtype or torch.float32
+    return dtype.itemsize
+
+
+def cp_comm(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision) -> Dict[str, int]:
+    """Context parallelism's exchanges in a step (``parallel.cp.expected_cp_comm``), for micro-batches of whole
+    sequences of ``data.block_size`` tokens; activation checkpointing's recomputation runs each forward again."""
+    forwards = 1 + int(cfg.dist.activation_checkpointing)
+    return expected_cp_comm(model, cfg.dist.cp, plan.micro_batch_size, _micro_batch_tokens(cfg, plan, model)
+                            // plan.micro_batch_size, plan.accum_steps, forwards, _activation_size(precision))
 
 
 def moe_step_allreduces(plan: BatchPlan, model: nn.Module, counts: Dict[str, int]) -> Dict[str, int]:
@@ -622,6 +639,11 @@ def plan_numbers(cfg: Config, plan: BatchPlan, model: Optional[nn.Module] = None
     if mesh.tp > 1:
         dims.update({key: "tp" for key in TP_COMM_KEYS if not key.endswith("_bytes")})
     ep = {}
+    if mesh.cp > 1:
+        dims.update({"cp_sends": "cp", "cp_all_to_alls": "cp"})
+        length = _micro_batch_tokens(cfg, plan, model) // plan.micro_batch_size if not auto else 0
+        # (query, key) pairs of one sequence each cp rank's attention computes: equal under zigzag
+        ep["cp_attention_work"] = attention_work(length, mesh.cp, cfg.dist.cp.layout) if not auto else None
     if mesh.ep > 1:
         dims["all_to_alls"] = "ep"
         if mesh.shards_experts:
@@ -634,7 +656,7 @@ def plan_numbers(cfg: Config, plan: BatchPlan, model: Optional[nn.Module] = None
     return {
         "world_size": plan.world_size,
         "mesh": {"kind": mesh.kind, "replicate": mesh.replicate, "shard": mesh.shard, "tp": mesh.tp, "pp": 1,
-                 **({"ep": mesh.ep} if mesh.ep > 1 else {})},
+                 **({"ep": mesh.ep} if mesh.ep > 1 else {}), **({"cp": mesh.cp} if mesh.cp > 1 else {})},
         **ep,
         "comm_dims": dims,
         "micro_batch_size": None if auto else plan.micro_batch_size, "accum_steps": None if auto else plan.accum_steps,
@@ -720,7 +742,20 @@ def comm_lines(numbers: Dict[str, Any], accum_steps: Optional[int]) -> List[str]
     if tp > 1:  # the data-parallel dimensions' collectives first (the totals less tp's), then tp's
         step = {key: value - step.get(f"tp_{key}", 0) for key, value in step.items() if not key.startswith("tp_")}
         return [*_dp_comm_lines(numbers, step, kind, accum_steps), *_tp_comm_lines(numbers["step"], tp)]
-    return [*_dp_comm_lines(numbers, step, kind, accum_steps), *_ep_comm_lines(numbers)]
+    return [*_dp_comm_lines(numbers, step, kind, accum_steps), *_ep_comm_lines(numbers), *_cp_comm_lines(numbers)]
+
+
+def _cp_comm_lines(numbers: Dict[str, Any]) -> List[str]:
+    cp = numbers["mesh"].get("cp", 1)
+    if cp == 1:
+        return []
+    step, work = numbers["step"], numbers["cp_attention_work"]
+    if step["cp_sends"]:
+        what = f"ring: {step['cp_sends']} sends of keys and values or their gradients, {_mib(step['cp_send_bytes'])}"
+    else:
+        what = f"ulysses: {step['cp_all_to_alls']} all-to-alls, {_mib(step['cp_all_to_all_bytes'])}"
+    return [f"  context parallelism per optimizer step (over each cp group of {cp} ranks): {what}; attention "
+            f"work per cp rank (query-key pairs of a sequence) {work}"]
 
 
 def _ep_comm_lines(numbers: Dict[str, Any]) -> List[str]:

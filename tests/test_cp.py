@@ -9,7 +9,7 @@ Then training: a 2-layer GPT on 8 sequences a step whose valid tokens differ fro
 cp halves hold no valid label at all), split 2 cp ranks x 2 micro-batches of 4 whole sequences, against one
 process with one batch of 8. Every step's loss, item count, sample count and gradient norm, the gradients of
 step 1 and the weights after 3 AdamW steps are compared within SCALE_TOL of their scale, under ddp and fsdp,
-ring and ulysses, both layouts, activation checkpointing, clipping, and sequences of 22 tokens padded to 24.
+ring and ulysses, both layouts, activation checkpointing, clipping, and sequences of 22 and 21 tokens padded to the layout's unit.
 A run whose cp ranks drop the other half's keys (attention local to each rank) fails the same comparison.
 """
 
@@ -30,6 +30,7 @@ from dist_trainer.config import ConfigError, CPConfig, validate
 from dist_trainer.data import epoch_batches
 from dist_trainer.data.builtin import char_text
 from dist_trainer.parallel.cp import CPCounter, CPGroup, _RingAttention, positions, ulysses_attention
+from dist_trainer.plan import plan_numbers
 from dist_trainer.run import build
 from helpers import SCALE_TOL, assert_close_scaled, run_ranks, scaled_error
 from test_accumulation import _assert_close, _token_length, gpt_config, in_one_process, launch_clean
@@ -105,11 +106,11 @@ def test_zigzag_gives_every_rank_equal_causal_work():
 # ------------------------------------------------------------------------------------------------- training
 
 
-def short_text() -> Subset:
-    """Items of 22 tokens (a multiple of neither layout's unit: padded to 24) whose valid lengths vary as
-    ``unbalanced_text``'s do, 24 excepted."""
-    base = char_text(block_size=22, min_len=1)
-    lengths = [min(_token_length(s, p), 22) for s in range(STEPS) for p in range(GLOBAL)]
+def short_text(block_size: int) -> Subset:
+    """Items of ``block_size`` tokens (22: not a multiple of zigzag's unit 4, padded to 24; 21: not one of
+    contiguous's 2, padded to 22) whose valid lengths vary as ``unbalanced_text``'s do, capped at the size."""
+    base = char_text(block_size=block_size, min_len=1)
+    lengths = [min(_token_length(s, p), block_size) for s in range(STEPS) for p in range(GLOBAL)]
     pools = {n: [i for i in range(2000) if base.valid_length(i) == n] for n in set(lengths)}
     return Subset(base, [pools[n].pop(0) for n in lengths])
 
@@ -119,7 +120,7 @@ def cp_config(micro: int, cp: int = 1, method: str = "ring", layout: str = "zigz
     cfg = gpt_config(micro)
     cfg.model = {**cfg.model, **MODEL}
     if data_block != MODEL["block_size"]:
-        cfg.data = {"_target_": f"{__name__}.short_text", "shuffle": False}
+        cfg.data = {"_target_": f"{__name__}.short_text", "block_size": data_block, "shuffle": False}
     cfg.batch = dataclasses.replace(cfg.batch, global_batch_size=GLOBAL)
     cfg.optim = dataclasses.replace(cfg.optim, eps=1e-6, grad_clip=CLIP if clip else None)
     cfg.trainer = dataclasses.replace(cfg.trainer, max_steps=STEPS)
@@ -128,12 +129,14 @@ def cp_config(micro: int, cp: int = 1, method: str = "ring", layout: str = "zigz
         activation_checkpointing=checkpointing))
 
 
-REFS = {"plain": cp_config(GLOBAL), "clip": cp_config(GLOBAL, clip=True), "pad": cp_config(GLOBAL, data_block=22)}
+REFS = {"plain": cp_config(GLOBAL), "clip": cp_config(GLOBAL, clip=True), "pad22": cp_config(GLOBAL, data_block=22),
+        "pad21": cp_config(GLOBAL, data_block=21)}
 CASES = {  # name: (cp 2 config on 2 ranks, its one-process reference)
     "ring-zigzag-ddp": (cp_config(4, 2), "plain"),
     "ring-contiguous-fsdp-clip": (cp_config(4, 2, layout="contiguous", strategy="fsdp", clip=True), "clip"),
     "ulysses-zigzag-fsdp-ac": (cp_config(4, 2, "ulysses", strategy="fsdp", checkpointing=True), "plain"),
-    "ulysses-contiguous-ddp-pad": (cp_config(4, 2, "ulysses", "contiguous", data_block=22), "pad"),
+    "ulysses-contiguous-ddp-pad": (cp_config(4, 2, "ulysses", "contiguous", data_block=21), "pad21"),  # to 22
+    "ring-zigzag-fsdp-pad": (cp_config(4, 2, strategy="fsdp", data_block=22), "pad22"),  # to 24
     "ring-zigzag-ddp-local": (cp_config(4, 2), "plain"),  # broken on purpose: no exchange
 }
 
@@ -146,7 +149,7 @@ def _run_job(env, world_size: int, name: str, cfg) -> dict:
     if name.endswith("local") and world_size > 1:  # each rank attends over its own tokens only
         for block in module.blocks:
             block.attn.context = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    rec = {"outcomes": [], "grads": [], "params": []}
+    rec = {"outcomes": [], "grads": [], "params": [], "plan": plan_numbers(cfg, plan)}
     for step, (window, micro_batches) in zip(range(1, STEPS + 1),
                                              epoch_batches(parts.train_set, parts.step_plan, 0, 0, 0, False)):
         rec["outcomes"].append(dataclasses.asdict(trainer.train_step(micro_batches, window, step)))
@@ -196,6 +199,25 @@ def test_context_parallel_split_equals_one_big_batch(runs, name):
             assert sends > 0, f"{name}: step {step} exchanged nothing over the cp group"
         _assert_close(got["grads"][0], ref["grads"][0], f"cp2 {name} rank {rank} grads step 1")
         _assert_close(got["params"][-1], ref["params"][-1], f"cp2 {name} rank {rank} params step {STEPS}")
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if not n.endswith("local")])
+def test_every_step_exchanges_what_plan_mode_predicts(runs, name):
+    _, two = runs
+    for rank in range(2):
+        got = _rec(two[rank], name)
+        numbers = got["plan"]
+        assert numbers["mesh"]["cp"] == 2 and numbers["comm_dims"]["cp_sends"] == "cp"
+        for step, want in ((1, numbers["first_step"]), (2, numbers["step"]), (3, numbers["step"])):
+            assert got["outcomes"][step - 1]["comm"] == want, (name, rank, step)
+    # 2 layers x 2 micro-batches: ring 1 send a forward (again in the recomputation), 1 + 2 a backward;
+    # ulysses 2 all-to-alls a forward, 2 a backward
+    step = _rec(two[0], name)["plan"]["step"]
+    forwards = 2 if name.endswith("ac") else 1
+    assert (step["cp_sends"], step["cp_all_to_alls"]) == (
+        (2 * 2 * (forwards + 3), 0) if name.startswith("ring") else (0, 2 * 2 * (2 * forwards + 2)))
+    work = step and _rec(two[0], name)["plan"]["cp_attention_work"]
+    assert (len(set(work)) == 1) == ("zigzag" in name), work
 
 
 def test_clipping_acts_in_the_clipped_case(runs):

@@ -251,3 +251,39 @@ class ContextParallel:
 def apply_cp(model: nn.Module, mesh: MeshShape, cfg: CPConfig, rank: int, device_type: str) -> ContextParallel:
     """Context parallelism on ``model`` in place (nothing without it)."""
     return ContextParallel(model, mesh, cfg, rank, device_type)
+
+
+def padded_length(length: int, cp: int, layout: str) -> int:
+    """A sequence's length once ``ContextParallel`` has padded it to the layout's unit."""
+    unit = 2 * cp if layout == "zigzag" else cp
+    return -(-length // unit) * unit
+
+
+def attention_work(length: int, cp: int, layout: str) -> List[int]:
+    """Each cp rank's (query, key) pairs under the causal mask, for one sequence of ``length`` tokens: equal
+    under ``zigzag``, growing with the rank under ``contiguous``."""
+    length = padded_length(length, cp, layout)
+    return [int((positions(length, cp, r, layout) + 1).sum()) for r in range(cp)]
+
+
+def expected_cp_comm(model: nn.Module, cfg: CPConfig, micro_batch_size: int, length: int, accum_steps: int,
+                     forwards: int, element_size: int) -> Dict[str, int]:
+    """The cp collectives of one step on every rank: per attention module (a module with ``context``) and
+    micro-batch, ``forwards`` forward passes (2 under activation checkpointing's recomputation) and one backward.
+
+    ring: a forward passes the stacked keys and values on cp - 1 times, a backward cp - 1 times again and their
+    gradients cp times, all at least float32 (``_RingAttention``). ulysses: a forward exchanges q, k, v (3 x) and
+    the output (1 x) once each, a backward their gradients, in the activations' dtype (``element_size``)."""
+    cp, layers = cfg.size, [m for m in model.modules() if hasattr(m, "context")]
+    counts = dict.fromkeys(CPCounter().counts, 0)
+    local = padded_length(length, cp, cfg.layout) // cp
+    for layer in layers:
+        block = micro_batch_size * layer.n_head * local * layer.head_dim  # one of q, k, v: [B, H, T / cp, D]
+        if cfg.method == "ring":
+            sends = forwards * (cp - 1) + (cp - 1) + cp
+            counts["cp_sends"] += accum_steps * sends
+            counts["cp_send_bytes"] += accum_steps * sends * 2 * block * max(element_size, 4)
+        else:
+            counts["cp_all_to_alls"] += accum_steps * (2 * forwards + 2)
+            counts["cp_all_to_all_bytes"] += accum_steps * (4 * forwards + 4) * block * element_size
+    return counts
