@@ -803,7 +803,9 @@ def _validate_ep(cfg: Config, mesh: MeshShape) -> None:
            "experts' FP32 masters would be whole): use a *-mixed precision, or dist.strategy=fsdp")
 
 
-CP_MODEL = "dist_trainer.models.GPT"  # the model context parallelism supports so far
+# The models context parallelism supports: the built-in GPT, and Hugging Face causal decoders (models.hf checks
+# the layout and the attention when it builds: Llama's, full causal attention).
+CP_MODELS = ("dist_trainer.models.GPT", "dist_trainer.models.hf.hf_model", "dist_trainer.hf.models.hf_model")
 
 
 def _validate_cp(cfg: Config, mesh: MeshShape) -> None:
@@ -816,25 +818,38 @@ def _validate_cp(cfg: Config, mesh: MeshShape) -> None:
     for key, n in (("dist.tp.size", mesh.tp), ("dist.pp.size", mesh.pp), ("dist.ep.size", mesh.ep)):
         _check(n == 1, "dist.cp.size", mesh.cp, f"with {key}={n} is not supported yet: set one of them to 1")
     model = cfg.model
-    _check(model.get("_target_") == CP_MODEL, "dist.cp.size", mesh.cp,
-           f"supports the built-in GPT (model._target_={CP_MODEL}) so far, not {model.get('_target_')}: "
-           "set dist.cp.size=1")
+    _check(model.get("_target_") in CP_MODELS and model.get("task", "causal_lm") == "causal_lm", "dist.cp.size",
+           mesh.cp, f"supports the built-in GPT and Hugging Face causal decoders (model._target_ one of "
+           f"{list(CP_MODELS[:2])}, model.task=causal_lm), not {model.get('_target_')}: set dist.cp.size=1")
     moe = model.get("moe") or {}
-    _check(not moe.get("num_experts"), "dist.cp.size", mesh.cp,
-           "with MoE layers (model.moe.num_experts > 0) is not supported yet: set dist.cp.size=1")
+    _check(not moe.get("num_experts") and not _hf_moe(model), "dist.cp.size", mesh.cp,
+           "with MoE layers is not supported yet: set dist.cp.size=1")
     _check(not model.get("dropout"), "model.dropout", model.get("dropout"),
            f"must be 0 with dist.cp.size={mesh.cp}: attention dropout is not split over the cp ranks")
     _check(not cfg.trainer.compile, "trainer.compile", True,
            f"with dist.cp.size={mesh.cp} is not supported yet: set trainer.compile=false")
+    _check(not cfg.data.get("packing"), "data.packing", True,
+           f"with dist.cp.size={mesh.cp}: packed sequences restart their positions, and ring and ulysses "
+           "attend causally over the whole row; set data.packing=false (padded batches work)")
     unit = 2 * mesh.cp if cp.layout == "zigzag" else mesh.cp
-    block = model.get("block_size")
-    _check(isinstance(block, int) and block % unit == 0, "data.block_size", block,
+    block = model.get("block_size")  # the GPT's learned positions: the padding to the unit must fit them
+    _check(model.get("_target_") != CP_MODELS[0] or (isinstance(block, int) and block % unit == 0), "data.block_size",
+           block,
            f"must be a multiple of {unit} with dist.cp.size={mesh.cp} and dist.cp.layout={cp.layout} (each rank "
            + ("two chunks of every sequence)" if cp.layout == "zigzag" else "one chunk of every sequence)"))
     heads = model.get("n_head")
-    _check(cp.method != "ulysses" or (isinstance(heads, int) and heads % mesh.cp == 0), "dist.cp.method",
+    # (a Hugging Face model's heads are checked when it is built: parallel.cp)
+    _check(cp.method != "ulysses" or heads is None or (isinstance(heads, int) and heads % mesh.cp == 0),
+           "dist.cp.method",
            cp.method, f"needs model.n_head={heads} divisible by dist.cp.size={mesh.cp} (each rank attends over "
            "n_head / cp heads of the whole sequence): use ring, or another cp size")
+
+
+def _hf_moe(model: Dict[str, Any]) -> bool:
+    """Whether a Hugging Face model's configuration names a mixture of experts (its type or expert count)."""
+    config = model.get("config") or {}
+    moe_keys = ("num_experts", "num_local_experts", "n_routed_experts")
+    return "moe" in str(model.get("model_type") or "") or any(config.get(k) for k in moe_keys)
 
 
 def resolve_reshard(dist: DistConfig) -> Optional[str]:

@@ -9,8 +9,11 @@ Then training: a 2-layer GPT on 8 sequences a step whose valid tokens differ fro
 cp halves hold no valid label at all), split 2 cp ranks x 2 micro-batches of 4 whole sequences, against one
 process with one batch of 8. Every step's loss, item count, sample count and gradient norm, the gradients of
 step 1 and the weights after 3 AdamW steps are compared within SCALE_TOL of their scale, under ddp and fsdp,
-ring and ulysses, both layouts, activation checkpointing, clipping, and sequences of 22 and 21 tokens padded to the layout's unit.
-A run whose cp ranks drop the other half's keys (attention local to each rank) fails the same comparison.
+ring and ulysses, both layouts, activation checkpointing, clipping, and sequences of 22 and 21 tokens padded to
+the layout's unit; and for Hugging Face llama and qwen2 (grouped keys and values, rotary positions) on
+right-padded batches without targets, whose labels are shifted from the ids before the cut. Every step's cp
+exchanges equal plan mode's. Two broken runs fail the same comparison: cp ranks that drop the other half's keys
+(attention local to each rank), and labels shifted after the cut.
 """
 
 from __future__ import annotations
@@ -115,6 +118,37 @@ def short_text(block_size: int) -> Subset:
     return Subset(base, [pools[n].pop(0) for n in lengths])
 
 
+class PaddedIds(torch.utils.data.Dataset):
+    """``short_text``'s items as a Hugging Face batch brings them: ``input_ids`` right-padded after each item's
+    valid tokens with an ``attention_mask``, no targets (the model shifts the ids into labels: before the cut)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.items = short_text(block_size)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict:
+        item = self.items[index]
+        valid = int((item["targets"] != -100).sum()) + 1  # the ids whose next token counts, and that token
+        mask = (torch.arange(len(item["input_ids"])) < valid).long()
+        return {"input_ids": item["input_ids"].masked_fill(mask == 0, 0), "attention_mask": mask}
+
+
+# Grouped keys and values (4 query heads, 2 kv heads): repeated to the heads before the exchange.
+HF = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+      "intermediate_size": 64, "vocab_size": 256, "max_position_embeddings": 64}
+
+
+def hf_config(micro: int, model_type: str, cp: int = 1, method: str = "ring", layout: str = "zigzag",
+              strategy: str = "ddp"):
+    cfg = cp_config(micro, cp, method, layout, strategy)
+    cfg.model = {"_target_": "dist_trainer.models.hf.hf_model", "task": "causal_lm", "model_type": model_type,
+                 "config": dict(HF), "block_size": 22}
+    cfg.data = {"_target_": f"{__name__}.PaddedIds", "block_size": 22, "shuffle": False}
+    return cfg
+
+
 def cp_config(micro: int, cp: int = 1, method: str = "ring", layout: str = "zigzag", strategy: str = "ddp",
               clip: bool = False, checkpointing: bool = False, data_block: int = 24):
     cfg = gpt_config(micro)
@@ -130,15 +164,21 @@ def cp_config(micro: int, cp: int = 1, method: str = "ring", layout: str = "zigz
 
 
 REFS = {"plain": cp_config(GLOBAL), "clip": cp_config(GLOBAL, clip=True), "pad22": cp_config(GLOBAL, data_block=22),
-        "pad21": cp_config(GLOBAL, data_block=21)}
+        "pad21": cp_config(GLOBAL, data_block=21), "llama": hf_config(GLOBAL, "llama"),
+        "qwen2": hf_config(GLOBAL, "qwen2")}
 CASES = {  # name: (cp 2 config on 2 ranks, its one-process reference)
     "ring-zigzag-ddp": (cp_config(4, 2), "plain"),
     "ring-contiguous-fsdp-clip": (cp_config(4, 2, layout="contiguous", strategy="fsdp", clip=True), "clip"),
     "ulysses-zigzag-fsdp-ac": (cp_config(4, 2, "ulysses", strategy="fsdp", checkpointing=True), "plain"),
     "ulysses-contiguous-ddp-pad": (cp_config(4, 2, "ulysses", "contiguous", data_block=21), "pad21"),  # to 22
     "ring-zigzag-fsdp-pad": (cp_config(4, 2, strategy="fsdp", data_block=22), "pad22"),  # to 24
-    "ring-zigzag-ddp-local": (cp_config(4, 2), "plain"),  # broken on purpose: no exchange
+    "ring-zigzag-ddp-hf-llama": (hf_config(4, "llama", 2), "llama"),
+    "ulysses-contiguous-fsdp-hf-qwen2": (hf_config(4, "qwen2", 2, "ulysses", "contiguous", "fsdp"), "qwen2"),
+    # broken on purpose: no exchange; the labels shifted after the cut, within each rank's chunks
+    "ring-zigzag-ddp-local": (cp_config(4, 2), "plain"),
+    "ring-zigzag-ddp-hf-llama-shift-after-cut": (hf_config(4, "llama", 2), "llama"),
 }
+CONTROLS = ("ring-zigzag-ddp-local", "ring-zigzag-ddp-hf-llama-shift-after-cut")
 
 
 def _run_job(env, world_size: int, name: str, cfg) -> dict:
@@ -148,7 +188,9 @@ def _run_job(env, world_size: int, name: str, cfg) -> dict:
     trainer, module = parts.trainer, parts.trainer.module
     if name.endswith("local") and world_size > 1:  # each rank attends over its own tokens only
         for block in module.blocks:
-            block.attn.context = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            block.attn.context = lambda q, k, v, scale=None: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if name.endswith("shift-after-cut") and world_size > 1:  # the model shifts each rank's ids into labels
+        trainer.strategy.cp.targets = None
     rec = {"outcomes": [], "grads": [], "params": [], "plan": plan_numbers(cfg, plan)}
     for step, (window, micro_batches) in zip(range(1, STEPS + 1),
                                              epoch_batches(parts.train_set, parts.step_plan, 0, 0, 0, False)):
@@ -185,7 +227,7 @@ def _rec(results: dict, name: str) -> dict:
     return rec
 
 
-@pytest.mark.parametrize("name", [n for n in CASES if not n.endswith("local")])
+@pytest.mark.parametrize("name", [n for n in CASES if n not in CONTROLS])
 def test_context_parallel_split_equals_one_big_batch(runs, name):
     one, two = runs
     ref = _rec(one, CASES[name][1])
@@ -201,7 +243,7 @@ def test_context_parallel_split_equals_one_big_batch(runs, name):
         _assert_close(got["params"][-1], ref["params"][-1], f"cp2 {name} rank {rank} params step {STEPS}")
 
 
-@pytest.mark.parametrize("name", [n for n in CASES if not n.endswith("local")])
+@pytest.mark.parametrize("name", [n for n in CASES if n not in CONTROLS])
 def test_every_step_exchanges_what_plan_mode_predicts(runs, name):
     _, two = runs
     for rank in range(2):
@@ -225,9 +267,10 @@ def test_clipping_acts_in_the_clipped_case(runs):
     assert _rec(one, "clip")["outcomes"][0]["grad_norm"] > 2 * CLIP
 
 
-def test_attention_without_the_exchange_fails_the_comparison(runs):
+@pytest.mark.parametrize("name", CONTROLS)
+def test_attention_without_the_exchange_or_a_shift_after_the_cut_fails_the_comparison(runs, name):
     one, two = runs
-    got, ref = _rec(two[0], "ring-zigzag-ddp-local"), _rec(one, "plain")
+    got, ref = _rec(two[0], name), _rec(one, CASES[name][1])
     worst = max(scaled_error(got["grads"][0][k], ref["grads"][0][k]) for k in ref["grads"][0])
     assert worst > 100 * SCALE_TOL
 
@@ -242,7 +285,7 @@ def test_attention_without_the_exchange_fails_the_comparison(runs):
     (dict(method="star"), "dist.cp.method='star'"),
     (dict(layout="striped"), "dist.cp.layout='striped'"),
     (dict(dropout=0.1), "model.dropout=0.1"),
-    (dict(target="dist_trainer.models.hf.hf_model"), "dist.cp.size=2"),
+    (dict(target="dist_trainer.models.DigitsConvNet"), "dist.cp.size=2"),
 ])
 def test_what_cannot_work_is_a_config_error_naming_the_key(change, key):
     cfg = cp_config(4, change.get("cp", 2), change.get("method", "ring"), change.get("layout", "zigzag"))
@@ -251,6 +294,34 @@ def test_what_cannot_work_is_a_config_error_naming_the_key(change, key):
                  "_target_": change.get("target", cfg.model["_target_"])}
     with pytest.raises(ConfigError, match=key.replace(".", r"\.").replace("[", r"\[")):
         validate(cfg, 2)
+
+
+@pytest.mark.parametrize("change,key", [
+    (dict(packing=True), "data.packing=True"),
+    (dict(task="masked_lm"), "dist.cp.size=2"),
+    (dict(model_type="qwen3_moe"), "dist.cp.size=2"),
+])
+def test_hugging_face_models_that_cannot_work_are_config_errors(change, key):
+    cfg = hf_config(4, change.get("model_type", "llama"), 2)
+    cfg.model["task"] = change.get("task", "causal_lm")
+    cfg.data["packing"] = change.get("packing", False)
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        validate(cfg, 2)
+
+
+@pytest.mark.parametrize("model_type,config,cp,method,match", [
+    ("mistral", {"sliding_window": 8}, 2, "ring", "sliding-window"),
+    ("llama", {"attention_dropout": 0.1}, 2, "ring", "attention dropout"),
+    ("llama", {}, 3, "ulysses", "4 attention heads divisible by dist.cp.size=3"),
+])
+def test_what_a_hugging_face_model_cannot_do_fails_before_the_first_collective(model_type, config, cp, method, match):
+    from dist_trainer.config import MeshShape
+    from dist_trainer.models.hf import hf_model
+    from dist_trainer.parallel.cp import apply_cp
+
+    model = hf_model("causal_lm", model_type, {**HF, **config}, block_size=24)
+    with pytest.raises(ConfigError, match=match):  # no process group exists: raised before any collective
+        apply_cp(model, MeshShape("ddp", cp, 1, cp=cp), CPConfig(size=cp, method=method), 0, "cpu")
 
 
 def test_the_batch_plan_counts_sequences_once_per_cp_group():

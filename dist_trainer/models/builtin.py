@@ -208,8 +208,8 @@ class GPT(nn.Module):
     pp_last = ("ln_f", "head")
 
     def embed(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The residual stream ``[B, T, n_embd]`` before the first block; ``position_ids`` ``[T]``: the tokens'
-        positions in their sequence (context parallelism holds a part of it), ``0 .. T-1`` if not given."""
+        """The residual stream ``[B, T, n_embd]`` before the first block; ``position_ids`` ``[T]`` or ``[1, T]``: the
+        tokens' positions in their sequence (context parallelism holds a part of it), ``0 .. T-1`` if not given."""
         T = input_ids.shape[1]
         pos = torch.arange(T, device=input_ids.device) if position_ids is None else position_ids
         assert T <= self.block_size, (
@@ -227,6 +227,10 @@ class GPT(nn.Module):
     def stage_dims(self) -> tuple[int, int]:
         """The stream's width and the logits' width (the vocabulary)."""
         return self.n_embd, self.vocab_size
+
+    def context_modules(self) -> list[nn.Module]:
+        """The attention modules context parallelism (``parallel.cp``) gives the cp group's tokens."""
+        return [block.attn for block in self.blocks]
 
     @staticmethod
     def stage_targets(batch: dict[str, torch.Tensor]) -> torch.Tensor:

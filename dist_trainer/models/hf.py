@@ -39,6 +39,8 @@ HF_STYLES = {"replicated_with_grad_allreduce": "head_norm"}
 # Projections Hugging Face gathers whole after the cut (OLMoE's q_proj/k_proj, for a norm over all heads): no style.
 WHOLE_PROJECTION_STYLES = ("colwise_gather_output", "rowwise_split_input")
 MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
+# The attention function context parallelism registers with transformers (HFModel.attend_through_context).
+CONTEXT_ATTENTION = "dist_trainer_context"
 
 
 class HFModel(nn.Module):
@@ -96,6 +98,31 @@ class HFModel(nn.Module):
     def stage_dims(self) -> tuple:
         """The stream's width and the logits' width (the vocabulary)."""
         return self.model.config.hidden_size, self.model.config.vocab_size
+
+    # -- context parallelism (dist.cp.size > 1): decoders laid out as Llama's, full causal attention --------------
+    def context_modules(self) -> list:
+        """The decoder layers' attention modules context parallelism (``parallel.cp``) takes over; a ConfigError
+        for a model whose attention it cannot reproduce (an encoder, sliding windows, another layout)."""
+        config = self.model.config
+        if self._stage_parts is None:
+            raise ConfigError(f"dist.cp.size > 1 needs a causal decoder laid out as Llama's (llama, qwen2, ...); "
+                              f"{self.name} is not one: set dist.cp.size=1")
+        windows = [t for t in (getattr(config, "layer_types", None) or ()) if t != "full_attention"]
+        window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+        if windows or (window is not None and window < (self.block_size or config.max_position_embeddings)):
+            raise ConfigError(f"dist.cp.size > 1: {self.name} has sliding-window layers; context parallelism "
+                              "attends over the whole causal sequence: set dist.cp.size=1")
+        base = getattr(self.model, self.model.base_model_prefix)
+        return [layer.self_attn for layer in base.layers]
+
+    def attend_through_context(self) -> None:
+        """Route the layers' attention to their ``context`` (set by ``parallel.cp``) through transformers'
+        attention interface. Its name has no mask function, so transformers builds no mask: the context's
+        attention is causal by the tokens' global positions, and right padding is never attended to."""
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(CONTEXT_ATTENTION, _context_attention)
+        self.model.set_attn_implementation(CONTEXT_ATTENTION)
 
     def stage_targets(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The next token each position predicts (-100: none), aligned with the positions, as the last stage's
@@ -238,6 +265,17 @@ def _stage_masks(config: Any, stream: torch.Tensor, attention_mask: Optional[tor
     if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
         masks["sliding_attention"] = build(masking_utils.create_sliding_window_causal_mask)
     return masks
+
+
+def _context_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: Optional[torch.Tensor], scaling: Optional[float] = None,
+                       **kwargs: Any) -> tuple:
+    """transformers' attention call, ``[B, H, T, D]`` in and ``[B, T, H, D]`` out, through ``module.context``;
+    grouped keys and values repeated to the query heads first (their gradients sum back through the repeat)."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    return module.context(query, key, value, scale=scaling).transpose(1, 2).contiguous(), None
 
 
 def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> Dict[str, torch.Tensor]:

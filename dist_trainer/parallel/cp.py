@@ -19,6 +19,12 @@ attention needs the other ranks' tokens:
 shorter than a multiple of the layout's unit is padded at its end (input 0, label ignored): under a causal mask
 no earlier position sees the padding, so the result is exact.
 
+Models: the built-in GPT (learned positions) and Hugging Face causal decoders laid out as Llama's (llama, qwen2,
+...; rotary positions from ``position_ids``, grouped keys and values repeated to the heads), whose attention
+function transformers calls through the interface ``models.hf`` registers. Batches may be right-padded (an
+``attention_mask`` of ones then zeros): causal attention never looks past a real token. Packed sequences, whose
+positions restart, cannot be split this way by either method (a ConfigError, ``data.packing``).
+
 Gradients: every cp rank's parameters receive the gradient of its tokens' loss (attention's cross terms arrive
 through the exchanged keys' and values' gradients); the strategy's reduction over all gradient ranks (cp ranks
 included) sums them.
@@ -34,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import CPConfig, MeshShape
+from ..config import ConfigError, CPConfig, MeshShape
 
 IGNORE_INDEX = -100
 
@@ -115,11 +121,12 @@ class _RingAttention(torch.autograd.Function):
     inside."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: CPGroup) -> torch.Tensor:
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: CPGroup,
+                scale: Optional[float] = None) -> torch.Tensor:
         dtype, local = q.dtype, q.shape[-2]
         inner = torch.promote_types(dtype, torch.float32)  # float32 under autocast's half types, float64 kept
         q, k, v = q.to(inner), k.to(inner), v.to(inner)
-        scale = 1.0 / math.sqrt(q.shape[-1])
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
         q_pos = ring.positions(local, ring.rank, q.device)
         kv = torch.stack([k, v])
         out: Optional[torch.Tensor] = None
@@ -171,7 +178,7 @@ class _RingAttention(torch.autograd.Function):
             if works:
                 _wait(works)
                 kv = incoming
-        return dq.to(dtype), dkv[0].to(dtype), dkv[1].to(dtype), None
+        return dq.to(dtype), dkv[0].to(dtype), dkv[1].to(dtype), None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -187,7 +194,8 @@ class _AllToAll(torch.autograd.Function):
         return ctx.group.all_to_all(grad), None
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: CPGroup) -> torch.Tensor:
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: CPGroup,
+                      scale: Optional[float] = None) -> torch.Tensor:
     """Causal attention: heads cut over the group, each rank attending over the whole sequence."""
     B, H, local, D = q.shape
     cp = group.size
@@ -198,7 +206,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     order = torch.cat([group.positions(local, r, q.device) for r in range(cp)])
     to_natural = torch.argsort(order)
     whole = got.permute(1, 2, 3, 0, 4, 5).reshape(3, B, H // cp, cp * local, D)[:, :, :, to_natural]
-    y = F.scaled_dot_product_attention(whole[0], whole[1], whole[2], is_causal=True)  # [B, H/cp, T, D]
+    y = F.scaled_dot_product_attention(whole[0], whole[1], whole[2], is_causal=True, scale=scale)  # [B, H/cp, T, D]
     back = y[:, :, order].view(B, H // cp, cp, local, D).permute(2, 0, 1, 3, 4)  # [cp (tokens' owner), ...]
     mine = _AllToAll.apply(back, group)  # [cp (heads' group), B, H/cp, T/cp, D]
     return mine.permute(1, 0, 2, 3, 4).reshape(B, H, local, D)
@@ -207,8 +215,9 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
 class ContextParallel:
     """``dist.cp.size`` applied to a model: its batch cut into this rank's positions, its attention exchanged.
 
-    The model declares where (its attention modules' ``context`` attribute, and ``position_ids`` read from the
-    batch); nothing of its forward is replaced."""
+    The model declares where (``context_modules()``: its attention modules, each calling its ``context``
+    attribute where set; ``position_ids`` read from the batch; a Hugging Face model routes its attention
+    function there, ``attend_through_context``); nothing of its forward is replaced."""
 
     def __init__(self, model: nn.Module, mesh: MeshShape, cfg: CPConfig, rank: int, device_type: str) -> None:
         from torch.distributed.device_mesh import init_device_mesh
@@ -218,34 +227,70 @@ class ContextParallel:
         self.groups: List[dist.ProcessGroup] = []
         if mesh.cp == 1:
             return
+        modules = _attention_modules(model, mesh.cp, cfg.method)  # checked before the first collective
         root = init_device_mesh(device_type, (mesh.grad_ranks // mesh.cp, mesh.cp), mesh_dim_names=("dp", "cp"))
         group = root["cp"].get_group()
         self.groups = [group]
         self.group = CPGroup(group, mesh.cp, mesh.cp_rank(rank), cfg.layout, self.counter)
         self.unit = 2 * mesh.cp if cfg.layout == "zigzag" else mesh.cp
-        attention = (lambda q, k, v: _RingAttention.apply(q, k, v, self.group)) if cfg.method == "ring" else (
-            lambda q, k, v: ulysses_attention(q, k, v, self.group))
-        modules = [m for m in model.modules() if hasattr(m, "context")]
-        if not modules:
-            raise ValueError(f"dist.cp.size={mesh.cp}: {type(model).__name__} declares no attention for context "
-                             "parallelism (a module with a `context` attribute)")
+        self.targets = getattr(model, "stage_targets", None)  # the next tokens, shifted before the cut
+        attention = (lambda q, k, v, scale=None: _RingAttention.apply(q, k, v, self.group, scale)) \
+            if cfg.method == "ring" else (lambda q, k, v, scale=None: ulysses_attention(q, k, v, self.group, scale))
         for module in modules:
             module.context = attention
+        if hasattr(model, "attend_through_context"):
+            model.attend_through_context()
         model.register_forward_pre_hook(self._cut)
 
     def _cut(self, module: nn.Module, args: tuple) -> tuple:
-        """The micro-batch's sequences cut to this rank's positions (padded to the layout's unit first)."""
-        batch: Dict[str, torch.Tensor] = args[0]
-        ids, targets = batch["input_ids"], batch["targets"]
-        pad = -ids.shape[1] % self.unit
-        if pad:  # at the end, where a causal mask hides it from every real position
-            ids, targets = F.pad(ids, (0, pad), value=0), F.pad(targets, (0, pad), value=IGNORE_INDEX)
-        mine = self.group.positions(ids.shape[1] // self.size, self.group.rank, ids.device)
-        return ({**batch, "input_ids": ids[:, mine], "targets": targets[:, mine], "position_ids": mine},
-                *args[1:])
+        """The micro-batch's sequences cut to this rank's positions (padded to the layout's unit first): every
+        ``[B, T]`` tensor of it, the targets shifted from the labels first where the batch has none."""
+        batch: Dict[str, torch.Tensor] = dict(args[0])
+        if "position_ids" in batch:
+            raise ValueError(f"dist.cp.size={self.size}: the batch brings its own position_ids (packed sequences, "
+                             "data.packing=true): ring and ulysses attend causally over the whole row; set "
+                             "data.packing=false")
+        mask = batch.get("attention_mask")
+        if mask is not None and bool((mask[:, 1:] > mask[:, :-1]).any()):
+            raise ValueError(f"dist.cp.size={self.size}: the batch is not right-padded (a position attended after "
+                             "a padded one): context parallelism masks causally by position only")
+        if self.targets is not None:
+            batch["targets"] = self.targets(batch)
+        length = batch["input_ids"].shape[1]
+        pad = -length % self.unit
+        mine = self.group.positions((length + pad) // self.size, self.group.rank, batch["input_ids"].device)
+        for key, tensor in batch.items():
+            if tensor.dim() >= 2 and tensor.shape[1] == length:
+                if pad:  # at the end, where a causal mask hides it from every real position
+                    fill = IGNORE_INDEX if key in ("targets", "labels") else 0
+                    tensor = F.pad(tensor, (0, pad), value=fill)
+                batch[key] = tensor[:, mine]
+        return ({**batch, "position_ids": mine.unsqueeze(0)}, *args[1:])
 
     def comm(self) -> Dict[str, int]:
         return dict(self.counter.counts) if self.size > 1 else {}
+
+
+def heads(module: nn.Module) -> tuple[int, int]:
+    """An attention module's query heads and head width."""
+    n_head = getattr(module, "n_head", None) or module.config.num_attention_heads
+    return n_head, module.head_dim
+
+
+def _attention_modules(model: nn.Module, cp: int, method: str) -> List[nn.Module]:
+    """The modules whose attention context parallelism takes over; a ConfigError for what cannot work."""
+    if not hasattr(model, "context_modules"):
+        raise ConfigError(f"dist.cp.size={cp}: {type(model).__name__} declares no attention for context "
+                          "parallelism (context_modules()): set dist.cp.size=1")
+    modules = model.context_modules()
+    for module in modules:
+        if method == "ulysses" and heads(module)[0] % cp:
+            raise ConfigError(f"dist.cp.method=ulysses needs the model's {heads(module)[0]} attention heads "
+                              f"divisible by dist.cp.size={cp}: use ring, or another cp size")
+        if getattr(module, "attention_dropout", 0.0) or getattr(module, "attn_dropout", 0.0):
+            raise ConfigError(f"dist.cp.size={cp}: attention dropout is not split over the cp ranks: set the "
+                              "model's attention dropout to 0")
+    return modules
 
 
 def apply_cp(model: nn.Module, mesh: MeshShape, cfg: CPConfig, rank: int, device_type: str) -> ContextParallel:
@@ -268,17 +313,17 @@ def attention_work(length: int, cp: int, layout: str) -> List[int]:
 
 def expected_cp_comm(model: nn.Module, cfg: CPConfig, micro_batch_size: int, length: int, accum_steps: int,
                      forwards: int, element_size: int) -> Dict[str, int]:
-    """The cp collectives of one step on every rank: per attention module (a module with ``context``) and
+    """The cp collectives of one step on every rank: per attention module (``context_modules()``) and
     micro-batch, ``forwards`` forward passes (2 under activation checkpointing's recomputation) and one backward.
 
     ring: a forward passes the stacked keys and values on cp - 1 times, a backward cp - 1 times again and their
     gradients cp times, all at least float32 (``_RingAttention``). ulysses: a forward exchanges q, k, v (3 x) and
     the output (1 x) once each, a backward their gradients, in the activations' dtype (``element_size``)."""
-    cp, layers = cfg.size, [m for m in model.modules() if hasattr(m, "context")]
+    cp, layers = cfg.size, model.context_modules()
     counts = dict.fromkeys(CPCounter().counts, 0)
     local = padded_length(length, cp, cfg.layout) // cp
     for layer in layers:
-        block = micro_batch_size * layer.n_head * local * layer.head_dim  # one of q, k, v: [B, H, T / cp, D]
+        block = micro_batch_size * math.prod(heads(layer)) * local  # one of q, k, v: [B, H, T / cp, D]
         if cfg.method == "ring":
             sends = forwards * (cp - 1) + (cp - 1) + cp
             counts["cp_sends"] += accum_steps * sends
