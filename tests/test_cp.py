@@ -313,13 +313,14 @@ def test_hugging_face_models_that_cannot_work_are_config_errors(change, key):
     ("mistral", {"sliding_window": 8}, 2, "ring", "sliding-window"),
     ("llama", {"attention_dropout": 0.1}, 2, "ring", "attention dropout"),
     ("llama", {}, 3, "ulysses", "4 attention heads divisible by dist.cp.size=3"),
+    ("mixtral", {"num_local_experts": 4}, 2, "ring", "MoE layers"),
 ])
 def test_what_a_hugging_face_model_cannot_do_fails_before_the_first_collective(model_type, config, cp, method, match):
     from dist_trainer.config import MeshShape
     from dist_trainer.models.hf import hf_model
     from dist_trainer.parallel.cp import apply_cp
 
-    model = hf_model("causal_lm", model_type, {**HF, **config}, block_size=24)
+    model = hf_model("causal_lm", model_type, {**HF, **config}, block_size=24, moe={})
     with pytest.raises(ConfigError, match=match):  # no process group exists: raised before any collective
         apply_cp(model, MeshShape("ddp", cp, 1, cp=cp), CPConfig(size=cp, method=method), 0, "cpu")
 
