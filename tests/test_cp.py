@@ -332,3 +332,42 @@ def test_the_batch_plan_counts_sequences_once_per_cp_group():
     assert [plan.mesh.cp_rank(r) for r in range(4)] == [0, 1, 0, 1]
     assert [plan.mesh.counts_samples(r) for r in range(4)] == [True, False, True, False]
     assert "context-parallel groups of 2" in plan.mesh.describe()
+
+
+# ------------------------------------------------ checkpoints across cp degrees, dp 2 x cp 2 (real launches)
+
+E2E = ["model.n_layer=2", "model.n_embd=32", "model.n_head=2", "data.block_size=32", "model.dropout=0",
+       "trainer.eval_every=0", "trainer.eval_batches=1", "trainer.log_every=1", "trainer.device=cpu",
+       "batch.global_batch_size=8", "batch.micro_batch_size=2", "optim.warmup_steps=8", "optim.schedule=constant",
+       "optim.eps=1e-6", "trainer.ckpt_every=2", "trainer.max_steps=4"]  # constant lr: a resume follows the run
+
+
+@pytest.mark.slow  # three 2-rank launches, a 4-rank one and two one-process ones, about 90 s on 2 cores
+def test_checkpoint_resumes_across_cp_degrees_and_dp2_x_cp2_equals_cp2(tmp_path):
+    """cp changes nothing stored: a cp 2 checkpoint (ddp; fsdp's sharded one) resumes on one process and on 2
+    data-parallel ranks without cp, each ending within 1e-5 of the uninterrupted cp 2 run; and 4 ranks of
+    dp 2 x cp 2 (fsdp over all 4, ring zigzag) end within 1e-5 of it as well."""
+    from test_checkpoint import ckpt, final_params, metrics, resumed_from, run_all
+    from test_moe_ep import _cut_at_step_2
+
+    cp2 = E2E + ["dist.cp.size=2"]
+    first = run_all([(cp2 + [f"hydra.run.dir={tmp_path / 'ref'}"], 2),
+                     (cp2 + ["dist.strategy=fsdp", "dist.cp.method=ulysses", f"hydra.run.dir={tmp_path / 'fsdp'}"], 2),
+                     (cp2 + ["dist.strategy=fsdp", f"hydra.run.dir={tmp_path / 'dp2cp2'}"], 4)],
+                    tmp_path, timeout=360)
+    for result in first:
+        assert result.returncode == 0, result.output[-4000:]
+    ref = final_params(tmp_path / "ref")
+    assert metrics(tmp_path / "ref")[1]["cp_sends"] == 4 * 2 * (1 + 1 + 2)  # 4 micro-batches x 2 layers
+    assert metrics(tmp_path / "dp2cp2")[1]["cp_sends"] == 2 * 2 * (1 + 1 + 2)  # 2 data ranks: 2 micro-batches
+    _assert_close(final_params(tmp_path / "fsdp"), ref, "cp 2 fsdp ulysses: final parameters")
+    _assert_close(final_params(tmp_path / "dp2cp2"), ref, "4 ranks, dp 2 x cp 2, fsdp: final parameters")
+    resumes = {"to1": (E2E, 0, "ref"), "todp2": (E2E, 2, "ref"), "fsdpto1": (E2E + ["dist.strategy=fsdp"], 0, "fsdp")}
+    dirs = {name: _cut_at_step_2(tmp_path / src, tmp_path / name) for name, (_, _, src) in resumes.items()}
+    results = run_all([(args + [f"hydra.run.dir={dirs[name]}"], nproc) for name, (args, nproc, _) in
+                       resumes.items()], tmp_path, timeout=240)
+    for result, (name, run_dir) in zip(results, dirs.items()):
+        assert result.returncode == 0, result.output[-4000:]
+        assert resumed_from(result.output) == str(ckpt(run_dir, 2)), result.output[-4000:]
+        assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]
+        _assert_close(final_params(run_dir), ref, f"resumed {name}: final parameters")
