@@ -10,8 +10,7 @@ cp halves hold no valid label at all), split 2 cp ranks x 2 micro-batches of 4 w
 process with one batch of 8. Every step's loss, item count, sample count and gradient norm, the gradients of
 step 1 and the weights after 3 AdamW steps are compared within SCALE_TOL of their scale, under ddp and fsdp,
 ring and ulysses, both layouts, activation checkpointing, clipping, fp16 with loss scaling and bf16 masters (to
-the half type's rounding), and sequences of 22 and 21 tokens padded to
-the layout's unit; and for Hugging Face llama and qwen2 (grouped keys and values, rotary positions) on
+the half type's rounding), and sequences of 22 and 21 tokens padded to the layout's unit; and for Hugging Face llama and qwen2 (grouped keys and values, rotary positions) on
 right-padded batches without targets, whose labels are shifted from the ids before the cut. Every step's cp
 exchanges equal plan mode's. Two broken runs fail the same comparison: cp ranks that drop the other half's keys
 (attention local to each rank), and labels shifted after the cut.
