@@ -815,7 +815,7 @@ def _validate_cp(cfg: Config, mesh: MeshShape) -> None:
     _check(cp.layout in ("zigzag", "contiguous"), "dist.cp.layout", cp.layout, "choose zigzag or contiguous")
     if mesh.cp == 1:
         return
-    for key, n in (("dist.tp.size", mesh.tp), ("dist.pp.size", mesh.pp), ("dist.ep.size", mesh.ep)):
+    for key, n in (("dist.pp.size", mesh.pp), ("dist.ep.size", mesh.ep)):
         _check(n == 1, "dist.cp.size", mesh.cp, f"with {key}={n} is not supported yet: set one of them to 1")
     model = cfg.model
     _check(model.get("_target_") in CP_MODELS and model.get("task", "causal_lm") == "causal_lm", "dist.cp.size",
@@ -826,23 +826,22 @@ def _validate_cp(cfg: Config, mesh: MeshShape) -> None:
            "with MoE layers is not supported yet: set dist.cp.size=1")
     _check(not model.get("dropout"), "model.dropout", model.get("dropout"),
            f"must be 0 with dist.cp.size={mesh.cp}: attention dropout is not split over the cp ranks")
-    _check(not cfg.trainer.compile, "trainer.compile", True,
-           f"with dist.cp.size={mesh.cp} is not supported yet: set trainer.compile=false")
     _check(not cfg.data.get("packing"), "data.packing", True,
            f"with dist.cp.size={mesh.cp}: packed sequences restart their positions, and ring and ulysses "
            "attend causally over the whole row; set data.packing=false (padded batches work)")
-    unit = 2 * mesh.cp if cp.layout == "zigzag" else mesh.cp
+    unit = (2 * mesh.cp if cp.layout == "zigzag" else mesh.cp) * mesh.tp  # parallel.cp.unit
     block = model.get("block_size")  # the GPT's learned positions: the padding to the unit must fit them
     _check(model.get("_target_") != CP_MODELS[0] or (isinstance(block, int) and block % unit == 0), "data.block_size",
            block,
            f"must be a multiple of {unit} with dist.cp.size={mesh.cp} and dist.cp.layout={cp.layout} (each rank "
-           + ("two chunks of every sequence)" if cp.layout == "zigzag" else "one chunk of every sequence)"))
+           + ("two chunks of every sequence" if cp.layout == "zigzag" else "one chunk of every sequence")
+           + (f", cut into dist.tp.size={mesh.tp} sequence shards)" if mesh.tp > 1 else ")"))
     heads = model.get("n_head")
     # (a Hugging Face model's heads are checked when it is built: parallel.cp)
-    _check(cp.method != "ulysses" or heads is None or (isinstance(heads, int) and heads % mesh.cp == 0),
-           "dist.cp.method",
-           cp.method, f"needs model.n_head={heads} divisible by dist.cp.size={mesh.cp} (each rank attends over "
-           "n_head / cp heads of the whole sequence): use ring, or another cp size")
+    _check(cp.method != "ulysses" or heads is None or (isinstance(heads, int) and heads % (mesh.cp * mesh.tp) == 0),
+           "dist.cp.method", cp.method, f"needs model.n_head={heads} divisible by dist.cp.size={mesh.cp}"
+           + (f" x dist.tp.size={mesh.tp}" if mesh.tp > 1 else "") + " (each rank attends over n_head / cp heads"
+           " of the whole sequence): use ring, or another cp size")
 
 
 def _hf_moe(model: Dict[str, Any]) -> bool:

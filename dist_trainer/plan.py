@@ -26,7 +26,7 @@ from .moe import routing_of
 from .moe.ep import BACKWARD_ALL_TO_ALLS, FORWARD_ALL_TO_ALLS, expert_params, moe_layers
 from .parallel.blocks import find_blocks
 from .parallel.comm import COMM_KEYS as GRADIENT_COMM_KEYS
-from .parallel.cp import attention_work, expected_cp_comm
+from .parallel.cp import attention_work, expected_cp_comm, padded_length
 from .parallel.pp import held_along, pp_bubble, pp_inflight, schedule_orders
 from .parallel.tp import TP_COMM_KEYS, expected_tp_comm, local_shapes, norm_activation_bytes, resolve_plan
 from .precision import Precision
@@ -174,7 +174,7 @@ def expected_comm(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Pre
     if mesh.cp > 1:  # attention's exchanges over each cp group, counted apart
         counts.update(cp_comm(cfg, plan, model, precision))
     if mesh.tp > 1:  # the activations' collectives, counted apart and in the totals
-        tp = tp_comm(cfg, plan, model, precision)
+        tp = tp_comm(cfg, plan, model, precision, tokens=_rank_tokens(cfg, plan, model))
         counts.update(tp)
         for key, value in tp.items():
             counts[key[len("tp_"):]] += value
@@ -194,8 +194,21 @@ def cp_comm(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision
     """Context parallelism's exchanges in a step (``parallel.cp.expected_cp_comm``), for micro-batches of whole
     sequences of ``data.block_size`` tokens; activation checkpointing's recomputation runs each forward again."""
     forwards = 1 + int(cfg.dist.activation_checkpointing)
-    return expected_cp_comm(model, cfg.dist.cp, plan.micro_batch_size, _micro_batch_tokens(cfg, plan, model)
-                            // plan.micro_batch_size, plan.accum_steps, forwards, _activation_size(precision))
+    return expected_cp_comm(model, cfg.dist.cp, plan.micro_batch_size, _sequence_length(cfg, plan, model),
+                            plan.accum_steps, forwards, _activation_size(precision), plan.mesh.tp)
+
+
+def _sequence_length(cfg: Config, plan: BatchPlan, model: nn.Module) -> int:
+    return _micro_batch_tokens(cfg, plan, model) // plan.micro_batch_size
+
+
+def _rank_tokens(cfg: Config, plan: BatchPlan, model: nn.Module) -> int:
+    """A micro-batch's tokens on a rank: under cp its share of every sequence, padded to the layout's unit."""
+    mesh = plan.mesh
+    if mesh.cp == 1:
+        return _micro_batch_tokens(cfg, plan, model)
+    length = padded_length(_sequence_length(cfg, plan, model), mesh.cp, cfg.dist.cp.layout, mesh.tp)
+    return plan.micro_batch_size * length // mesh.cp
 
 
 def moe_step_allreduces(plan: BatchPlan, model: nn.Module, counts: Dict[str, int]) -> Dict[str, int]:
@@ -667,7 +680,7 @@ def plan_numbers(cfg: Config, plan: BatchPlan, model: Optional[nn.Module] = None
         "state_mb": state / MIB,
         "step_peak_state_mb": None if auto else (state + expected_peak_extra_bytes(cfg, plan, model, precision)) / MIB,
         # What the sequence-parallel norms save for backward per micro-batch on a rank (cut by tp under sp).
-        "norm_activation_mb": (norm_activation_bytes(model, cfg.dist.tp, _micro_batch_tokens(cfg, plan, model),
+        "norm_activation_mb": (norm_activation_bytes(model, cfg.dist.tp, _rank_tokens(cfg, plan, model),
                                                      (precision.param_dtype or torch.float32).itemsize) / MIB
                                if mesh.tp > 1 and not auto else None),
         "ckpt_staging_mb": expected_staging_bytes(cfg, params, persistent_buffer_bytes(model), mesh.shard, cut) / MIB,
@@ -741,7 +754,8 @@ def comm_lines(numbers: Dict[str, Any], accum_steps: Optional[int]) -> List[str]
         kind = "hsdp"  # under tp and pp, ddp's replicas are FSDP2's shard groups of one rank
     if tp > 1:  # the data-parallel dimensions' collectives first (the totals less tp's), then tp's
         step = {key: value - step.get(f"tp_{key}", 0) for key, value in step.items() if not key.startswith("tp_")}
-        return [*_dp_comm_lines(numbers, step, kind, accum_steps), *_tp_comm_lines(numbers["step"], tp)]
+        return [*_dp_comm_lines(numbers, step, kind, accum_steps), *_tp_comm_lines(numbers["step"], tp),
+                *_cp_comm_lines(numbers)]
     return [*_dp_comm_lines(numbers, step, kind, accum_steps), *_ep_comm_lines(numbers), *_cp_comm_lines(numbers)]
 
 
@@ -833,7 +847,8 @@ def plan_report(cfg: Config, world_size: int, local_world_size: Optional[int] = 
     auto = cfg.batch.micro_batch_size == "auto"
     ranks = (f"world {world_size}" if plan.data_ranks == world_size else
              f"data-parallel ranks {plan.data_ranks} (world {world_size}"
-             + "".join(f" / dist.{k}.size={n}" for k, n in (("tp", plan.mesh.tp), ("pp", plan.mesh.pp)) if n > 1) + ")")
+             + "".join(f" / dist.{k}.size={n}" for k, n in (("tp", plan.mesh.tp), ("pp", plan.mesh.pp),
+                                                            ("cp", plan.mesh.cp)) if n > 1) + ")")
     split = (f"  micro batch auto (the largest that fits, chosen on the GPU at start-up) x accum steps "
              f"{plan.global_batch_size // world_size} / micro x world {world_size}"
              if auto else f"  micro batch {plan.micro_batch_size} x accum steps {plan.accum_steps} x {ranks}")

@@ -150,8 +150,10 @@ def hf_config(micro: int, model_type: str, cp: int = 1, method: str = "ring", la
 
 
 def cp_config(micro: int, cp: int = 1, method: str = "ring", layout: str = "zigzag", strategy: str = "ddp",
-              clip: bool = False, checkpointing: bool = False, data_block: int = 24, precision: str = "fp32"):
+              clip: bool = False, checkpointing: bool = False, data_block: int = 24, precision: str = "fp32",
+              tp: int = 1):
     cfg = gpt_config(micro)
+    cfg.dist.tp = dataclasses.replace(cfg.dist.tp, size=tp)
     cfg.precision = dataclasses.replace(cfg.precision, name=precision)
     cfg.model = {**cfg.model, **MODEL}
     if data_block != MODEL["block_size"]:
@@ -258,6 +260,39 @@ def test_context_parallel_split_equals_one_big_batch(runs, name):
             assert_all_close_scaled(got["grads"][0], ref["grads"][0], f"{what} grads step 1", tol)
 
 
+# cp 2 x tp 2 on 4 ranks (tp innermost: ranks 0, 1 one tp group, ranks 0, 2 one cp group), sequence parallelism
+# on: each rank's half of a sequence is cut into 2 sequence shards between the attention and MLP regions.
+CASES4 = {
+    "ring-zigzag-tp2-ddp": (cp_config(4, 2, tp=2, clip=True), "clip"),
+    "ring-contiguous-tp2-fsdp-ac": (cp_config(4, 2, layout="contiguous", strategy="fsdp", tp=2,
+                                              checkpointing=True), "plain"),
+}
+
+
+@pytest.fixture(scope="module")
+def runs4(runs, tmp_path_factory):
+    return runs[0], launch_clean(_worker, 4, tmp_path_factory.mktemp("cp2tp2"),
+                                 [(n, c) for n, (c, _) in CASES4.items()])
+
+
+@pytest.mark.slow  # 4 ranks on 2 cores
+@pytest.mark.parametrize("name", list(CASES4))
+def test_cp2_x_tp2_equals_one_big_batch(runs4, name):
+    one, four = runs4
+    ref = _rec(one, CASES4[name][1])
+    for rank in range(4):
+        got = _rec(four[rank], name)
+        for step, (a, b) in enumerate(zip(got["outcomes"], ref["outcomes"]), 1):
+            assert (a["items"], a["samples"]) == (b["items"], b["samples"]), f"{name} {step}"
+            assert a["loss"] == pytest.approx(b["loss"], rel=SCALE_TOL), f"{name}: loss at step {step}"
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=SCALE_TOL), f"{name}: norm at step {step}"
+            want = got["plan"]["first_step" if step == 1 else "step"]
+            assert a["comm"] == want, (name, rank, step)
+            assert a["comm"]["cp_sends"] > 0 and a["comm"]["all_gathers"] > 0
+        _assert_close(got["grads"][0], ref["grads"][0], f"cp2 x tp2 {name} rank {rank} grads step 1")
+        _assert_close(got["params"][-1], ref["params"][-1], f"cp2 x tp2 {name} rank {rank} params step {STEPS}")
+
+
 @pytest.mark.parametrize("name", [n for n in CASES if n not in CONTROLS])
 def test_every_step_exchanges_what_plan_mode_predicts(runs, name):
     _, two = runs
@@ -301,14 +336,19 @@ def test_attention_without_the_exchange_or_a_shift_after_the_cut_fails_the_compa
     (dict(layout="striped"), "dist.cp.layout='striped'"),
     (dict(dropout=0.1), "model.dropout=0.1"),
     (dict(target="dist_trainer.models.DigitsConvNet"), "dist.cp.size=2"),
+    (dict(method="ulysses", tp=2), "dist.cp.method='ulysses'"),  # 2 heads: 1 a tp rank, not cut over cp 2
+    (dict(tp=2, block=20, data_block=20), "data.block_size=20"),  # zigzag's 4 chunks, each cut over tp 2: 8
+    (dict(pp=2), "dist.cp.size=2"),
 ])
 def test_what_cannot_work_is_a_config_error_naming_the_key(change, key):
-    cfg = cp_config(4, change.get("cp", 2), change.get("method", "ring"), change.get("layout", "zigzag"))
+    cfg = cp_config(4, change.get("cp", 2), change.get("method", "ring"), change.get("layout", "zigzag"),
+                    tp=change.get("tp", 1))
+    cfg.dist.pp = dataclasses.replace(cfg.dist.pp, size=change.get("pp", 1))
     cfg.model = {**cfg.model, "block_size": change.get("block", 24), "n_head": change.get("heads", 2),
                  "n_embd": 12 if "heads" in change else 16, "dropout": change.get("dropout", 0.0),
                  "_target_": change.get("target", cfg.model["_target_"])}
     with pytest.raises(ConfigError, match=key.replace(".", r"\.").replace("[", r"\[")):
-        validate(cfg, 2)
+        validate(cfg, 2 * change.get("tp", 1) * change.get("pp", 1))
 
 
 @pytest.mark.parametrize("change,key", [

@@ -25,6 +25,10 @@ function transformers calls through the interface ``models.hf`` registers. Batch
 ``attention_mask`` of ones then zeros): causal attention never looks past a real token. Packed sequences, whose
 positions restart, cannot be split this way by either method (a ConfigError, ``data.packing``).
 
+Under tensor parallelism a cp group is the ranks of one data rank with the same tp index: each holds its tp
+rank's heads, and the exchange runs over those heads; sequence parallelism's shards are cut from a rank's share
+of the sequence, so the share is padded to a multiple of tp too (``unit``).
+
 Gradients: every cp rank's parameters receive the gradient of its tokens' loss (attention's cross terms arrive
 through the exchanged keys' and values' gradients); the strategy's reduction over all gradient ranks (cp ranks
 included) sums them.
@@ -227,12 +231,14 @@ class ContextParallel:
         self.groups: List[dist.ProcessGroup] = []
         if mesh.cp == 1:
             return
-        modules = _attention_modules(model, mesh.cp, cfg.method)  # checked before the first collective
-        root = init_device_mesh(device_type, (mesh.grad_ranks // mesh.cp, mesh.cp), mesh_dim_names=("dp", "cp"))
+        modules = _attention_modules(model, mesh.cp, cfg.method, mesh.tp)  # checked before the first collective
+        # cp groups: the ranks of one data rank and one tp index (rank = (data rank x cp + cp rank) x tp + tp index)
+        root = init_device_mesh(device_type, (mesh.grad_ranks // mesh.cp, mesh.cp, mesh.tp),
+                                mesh_dim_names=("dp", "cp", "tp"))
         group = root["cp"].get_group()
         self.groups = [group]
         self.group = CPGroup(group, mesh.cp, mesh.cp_rank(rank), cfg.layout, self.counter)
-        self.unit = 2 * mesh.cp if cfg.layout == "zigzag" else mesh.cp
+        self.unit = unit(mesh.cp, cfg.layout, mesh.tp)
         self.targets = getattr(model, "stage_targets", None)  # the next tokens, shifted before the cut
         attention = (lambda q, k, v, scale=None: _RingAttention.apply(q, k, v, self.group, scale)) \
             if cfg.method == "ring" else (lambda q, k, v, scale=None: ulysses_attention(q, k, v, self.group, scale))
@@ -240,7 +246,8 @@ class ContextParallel:
             module.context = attention
         if hasattr(model, "attend_through_context"):
             model.attend_through_context()
-        model.register_forward_pre_hook(self._cut)
+        # before any other pre-hook (tensor parallelism's padding to its size): the whole sequence is cut here
+        model.register_forward_pre_hook(self._cut, prepend=True)
 
     def _cut(self, module: nn.Module, args: tuple) -> tuple:
         """The micro-batch's sequences cut to this rank's positions (padded to the layout's unit first): every
@@ -271,22 +278,22 @@ class ContextParallel:
         return dict(self.counter.counts) if self.size > 1 else {}
 
 
-def heads(module: nn.Module) -> tuple[int, int]:
-    """An attention module's query heads and head width."""
+def heads(module: nn.Module, tp: int = 1) -> tuple[int, int]:
+    """An attention module's query heads on a rank (whole heads cut over ``tp``) and their width."""
     n_head = getattr(module, "n_head", None) or module.config.num_attention_heads
-    return n_head, module.head_dim
+    return n_head // tp, module.head_dim
 
 
-def _attention_modules(model: nn.Module, cp: int, method: str) -> List[nn.Module]:
+def _attention_modules(model: nn.Module, cp: int, method: str, tp: int) -> List[nn.Module]:
     """The modules whose attention context parallelism takes over; a ConfigError for what cannot work."""
     if not hasattr(model, "context_modules"):
         raise ConfigError(f"dist.cp.size={cp}: {type(model).__name__} declares no attention for context "
                           "parallelism (context_modules()): set dist.cp.size=1")
     modules = model.context_modules()
     for module in modules:
-        if method == "ulysses" and heads(module)[0] % cp:
-            raise ConfigError(f"dist.cp.method=ulysses needs the model's {heads(module)[0]} attention heads "
-                              f"divisible by dist.cp.size={cp}: use ring, or another cp size")
+        if method == "ulysses" and heads(module, tp)[0] % cp:
+            raise ConfigError(f"dist.cp.method=ulysses needs the model's {heads(module, tp)[0]} attention heads "
+                              f"(a tp rank's) divisible by dist.cp.size={cp}: use ring, or another cp size")
         if getattr(module, "attention_dropout", 0.0) or getattr(module, "attn_dropout", 0.0):
             raise ConfigError(f"dist.cp.size={cp}: attention dropout is not split over the cp ranks: set the "
                               "model's attention dropout to 0")
@@ -298,10 +305,15 @@ def apply_cp(model: nn.Module, mesh: MeshShape, cfg: CPConfig, rank: int, device
     return ContextParallel(model, mesh, cfg, rank, device_type)
 
 
-def padded_length(length: int, cp: int, layout: str) -> int:
+def unit(cp: int, layout: str, tp: int = 1) -> int:
+    """What a sequence's length is padded to a multiple of: every chunk of the layout (2 cp of them under zigzag,
+    cp contiguous) of equal length, and a rank's share cut into tp equal shards under sequence parallelism."""
+    return (2 * cp if layout == "zigzag" else cp) * tp
+
+
+def padded_length(length: int, cp: int, layout: str, tp: int = 1) -> int:
     """A sequence's length once ``ContextParallel`` has padded it to the layout's unit."""
-    unit = 2 * cp if layout == "zigzag" else cp
-    return -(-length // unit) * unit
+    return -(-length // unit(cp, layout, tp)) * unit(cp, layout, tp)
 
 
 def attention_work(length: int, cp: int, layout: str) -> List[int]:
@@ -312,7 +324,7 @@ def attention_work(length: int, cp: int, layout: str) -> List[int]:
 
 
 def expected_cp_comm(model: nn.Module, cfg: CPConfig, micro_batch_size: int, length: int, accum_steps: int,
-                     forwards: int, element_size: int) -> Dict[str, int]:
+                     forwards: int, element_size: int, tp: int = 1) -> Dict[str, int]:
     """The cp collectives of one step on every rank: per attention module (``context_modules()``) and
     micro-batch, ``forwards`` forward passes (2 under activation checkpointing's recomputation) and one backward.
 
@@ -321,9 +333,9 @@ def expected_cp_comm(model: nn.Module, cfg: CPConfig, micro_batch_size: int, len
     the output (1 x) once each, a backward their gradients, in the activations' dtype (``element_size``)."""
     cp, layers = cfg.size, model.context_modules()
     counts = dict.fromkeys(CPCounter().counts, 0)
-    local = padded_length(length, cp, cfg.layout) // cp
+    local = padded_length(length, cp, cfg.layout, tp) // cp
     for layer in layers:
-        block = micro_batch_size * math.prod(heads(layer)) * local  # one of q, k, v: [B, H, T / cp, D]
+        block = micro_batch_size * math.prod(heads(layer, tp)) * local  # one of q, k, v: [B, H / tp, T / cp, D]
         if cfg.method == "ring":
             sends = forwards * (cp - 1) + (cp - 1) + cp
             counts["cp_sends"] += accum_steps * sends
