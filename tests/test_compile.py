@@ -51,7 +51,8 @@ def tiny_text(n: int = 256, split: str = "train") -> Subset:
 
 
 def config(micro: int, compile: bool, strategy: str = "ddp", precision: str = "fp32", ac: bool = False,
-           n: int = 256, steps: int = STEPS, shard_size=None, reshard: str = "micro_batch", tp: int = 1) -> Config:
+           n: int = 256, steps: int = STEPS, shard_size=None, reshard: str = "micro_batch", tp: int = 1,
+           cp: int = 1) -> Config:
     cfg = Config(
         model=dict(GPT), data={"_target_": f"{__name__}.tiny_text", "n": n, "split": "train", "shuffle": True},
         batch=BatchConfig(micro_batch_size=micro, global_batch_size=GLOBAL),
@@ -65,6 +66,7 @@ def config(micro: int, compile: bool, strategy: str = "ddp", precision: str = "f
     )
     cfg.dist.fsdp.shard_size, cfg.dist.fsdp.reshard = shard_size, reshard
     cfg.dist.tp.size = tp
+    cfg.dist.cp.size = cp
     return cfg
 
 
@@ -101,6 +103,9 @@ JOBS = {
     # tp 2 on 2 ranks (one data-parallel rank, accum 8), sequence parallelism and the sharded loss
     "eager-tp": dict(compile=False, tp=2),
     "compiled-tp": dict(compile=True, tp=2),
+    # cp 2 on 2 ranks (ring, zigzag): the ring's exchanges run between the compiled parts of each block
+    "eager-cp": dict(compile=False, cp=2),
+    "compiled-cp": dict(compile=True, cp=2),
 }
 
 
@@ -142,7 +147,8 @@ def _close(got: dict, ref: dict, what: str) -> None:
 
 def test_compiled_steps_equal_eager_steps(ranks):
     results = ranks[0][0]
-    for name in ("compiled", "compiled-fsdp-ac", "compiled-bf16-master", "compiled-hsdp-step", "compiled-tp"):
+    for name in ("compiled", "compiled-fsdp-ac", "compiled-bf16-master", "compiled-hsdp-step", "compiled-tp",
+                 "compiled-cp"):
         eager, compiled = results[name.replace("compiled", "eager")], results[name]
         for a, b in zip(compiled["loss"], eager["loss"]):
             assert abs(a - b) <= 1e-4 * abs(b), (name, compiled["loss"], eager["loss"])
@@ -156,6 +162,9 @@ def test_compiled_steps_equal_eager_steps(ranks):
     _close(results["compiled-tp"]["params"], results["eager-tp"]["params"], "tp params")
     _close(results["eager-tp"]["params"], results["eager"]["params"], "tp vs ddp params")
     assert results["compiled-tp"]["graphs"] > 0  # the blocks compiled, DTensor and all
+    _close(results["compiled-cp"]["params"], results["eager-cp"]["params"], "cp params")
+    _close(results["eager-cp"]["params"], results["eager"]["params"], "cp vs ddp params")
+    assert results["compiled-cp"]["graphs"] > 0
 
 
 def test_split_invariance_holds_compiled(ranks):
