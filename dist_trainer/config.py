@@ -815,8 +815,8 @@ def _validate_cp(cfg: Config, mesh: MeshShape) -> None:
     _check(cp.layout in ("zigzag", "contiguous"), "dist.cp.layout", cp.layout, "choose zigzag or contiguous")
     if mesh.cp == 1:
         return
-    for key, n in (("dist.pp.size", mesh.pp), ("dist.ep.size", mesh.ep)):
-        _check(n == 1, "dist.cp.size", mesh.cp, f"with {key}={n} is not supported yet: set one of them to 1")
+    _check(mesh.ep == 1, "dist.cp.size", mesh.cp, f"with dist.ep.size={mesh.ep} is not supported yet: set one of "
+           "them to 1")
     model = cfg.model
     _check(model.get("_target_") in CP_MODELS and model.get("task", "causal_lm") == "causal_lm", "dist.cp.size",
            mesh.cp, f"supports the built-in GPT and Hugging Face causal decoders (model._target_ one of "

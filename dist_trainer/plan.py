@@ -190,15 +190,20 @@ def _activation_size(precision: Precision) -> int:
     return dtype.itemsize
 
 
-def cp_comm(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision) -> Dict[str, int]:
+def cp_comm(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision,
+            layers: Optional[List[nn.Module]] = None) -> Dict[str, int]:
     """Context parallelism's exchanges in a step (``parallel.cp.expected_cp_comm``), for micro-batches of whole
-    sequences of ``data.block_size`` tokens; activation checkpointing's recomputation runs each forward again."""
+    sequences of ``data.block_size`` tokens (pipeline stages: the model's block_size); activation checkpointing's
+    recomputation runs each forward again. ``layers``: the attention modules that count (a stage group's)."""
     forwards = 1 + int(cfg.dist.activation_checkpointing)
-    return expected_cp_comm(model, cfg.dist.cp, plan.micro_batch_size, _sequence_length(cfg, plan, model),
-                            plan.accum_steps, forwards, _activation_size(precision), plan.mesh.tp)
+    return expected_cp_comm(layers if layers is not None else model.context_modules(), cfg.dist.cp,
+                            plan.micro_batch_size, _sequence_length(cfg, plan, model), plan.accum_steps, forwards,
+                            _activation_size(precision), plan.mesh.tp)
 
 
 def _sequence_length(cfg: Config, plan: BatchPlan, model: nn.Module) -> int:
+    if plan.mesh.pp > 1:  # the stages' fixed shape
+        return getattr(model, "block_size", None) or cfg.data.get("block_size") or 1
     return _micro_batch_tokens(cfg, plan, model) // plan.micro_batch_size
 
 
@@ -337,6 +342,8 @@ def pp_expected(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
     # The stages' fixed shape: micro-batch rows x the model's block_size (shorter sequences padded to it); under
     # sequence parallelism a rank sends its sequence shard.
     tokens = plan.micro_batch_size * (getattr(model, "block_size", None) or cfg.data.get("block_size") or 1)
+    if mesh.cp > 1:  # a rank's share of each padded sequence
+        tokens = _rank_tokens(cfg, plan, model)
     shards = mesh.tp if mesh.tp > 1 and cfg.dist.tp.sequence_parallel else 1
     activation = tokens // shards * model.stage_dims()[0] * stream
     tied = _tied_across(model)
@@ -382,6 +389,11 @@ def pp_expected(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
             for key, value in tp_comm(cfg, plan, model, precision, held, tokens).items():
                 counts[key] += value
                 counts[key[len("tp_"):]] += value
+        if mesh.cp > 1:  # the attention of the blocks this stage group holds
+            names = {id(m): n for n, m in model.named_modules()}
+            own = [b for blocks in g["blocks"] for b in blocks]
+            layers = [m for m in model.context_modules() if any(names[id(m)].startswith(b + ".") for b in own)]
+            counts.update(cp_comm(cfg, plan, model, precision, layers))
         for s in g["stages"]:
             # A neighbour stage on this rank (the V's turn) takes the tensor without a send.
             apart = lambda t, held=g["stages"]: 0 <= t < stages and t not in held  # noqa: E731

@@ -141,8 +141,8 @@ HF = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_
 
 
 def hf_config(micro: int, model_type: str, cp: int = 1, method: str = "ring", layout: str = "zigzag",
-              strategy: str = "ddp"):
-    cfg = cp_config(micro, cp, method, layout, strategy)
+              strategy: str = "ddp", pp: int = 1):
+    cfg = cp_config(micro, cp, method, layout, strategy, pp=pp)
     cfg.model = {"_target_": "dist_trainer.models.hf.hf_model", "task": "causal_lm", "model_type": model_type,
                  "config": dict(HF), "block_size": 22}
     cfg.data = {"_target_": f"{__name__}.PaddedIds", "block_size": 22, "shuffle": False}
@@ -151,9 +151,10 @@ def hf_config(micro: int, model_type: str, cp: int = 1, method: str = "ring", la
 
 def cp_config(micro: int, cp: int = 1, method: str = "ring", layout: str = "zigzag", strategy: str = "ddp",
               clip: bool = False, checkpointing: bool = False, data_block: int = 24, precision: str = "fp32",
-              tp: int = 1):
+              tp: int = 1, pp: int = 1):
     cfg = gpt_config(micro)
     cfg.dist.tp = dataclasses.replace(cfg.dist.tp, size=tp)
+    cfg.dist.pp = dataclasses.replace(cfg.dist.pp, size=pp)
     cfg.precision = dataclasses.replace(cfg.precision, name=precision)
     cfg.model = {**cfg.model, **MODEL}
     if data_block != MODEL["block_size"]:
@@ -261,12 +262,21 @@ def test_context_parallel_split_equals_one_big_batch(runs, name):
 
 
 # cp 2 x tp 2 on 4 ranks (tp innermost: ranks 0, 1 one tp group, ranks 0, 2 one cp group), sequence parallelism
-# on: each rank's half of a sequence is cut into 2 sequence shards between the attention and MLP regions.
+# on: each rank's half of a sequence is cut into 2 sequence shards between the attention and MLP regions; and
+# pp 2 x cp 2 (ranks 0, 1 the first stage group, each holding half of every sequence).
 CASES4 = {
     "ring-zigzag-tp2-ddp": (cp_config(4, 2, tp=2, clip=True), "clip"),
     "ring-contiguous-tp2-fsdp-ac": (cp_config(4, 2, layout="contiguous", strategy="fsdp", tp=2,
                                               checkpointing=True), "plain"),
+    # pp 2 x cp 2: each stage group's 2 ranks split every sequence; the stages run on a rank's half
+    "ring-zigzag-pp2-clip": (cp_config(2, 2, pp=2, clip=True), "clip"),
+    "ulysses-contiguous-pp2-fsdp-ac": (cp_config(2, 2, "ulysses", "contiguous", strategy="fsdp", pp=2,
+                                                 checkpointing=True), "plain"),
+    "ring-zigzag-pp2-hf-llama": (hf_config(2, "llama", 2, pp=2), "llama"),  # rotary: each stage's side inputs
 }
+
+
+TIED = {"head.weight": "tok_emb.weight"}
 
 
 @pytest.fixture(scope="module")
@@ -277,20 +287,29 @@ def runs4(runs, tmp_path_factory):
 
 @pytest.mark.slow  # 4 ranks on 2 cores
 @pytest.mark.parametrize("name", list(CASES4))
-def test_cp2_x_tp2_equals_one_big_batch(runs4, name):
+def test_cp2_x_tp2_and_pp2_equal_one_big_batch(runs4, name):
     one, four = runs4
     ref = _rec(one, CASES4[name][1])
+    held_by_all: set = set()
     for rank in range(4):
         got = _rec(four[rank], name)
         for step, (a, b) in enumerate(zip(got["outcomes"], ref["outcomes"]), 1):
             assert (a["items"], a["samples"]) == (b["items"], b["samples"]), f"{name} {step}"
             assert a["loss"] == pytest.approx(b["loss"], rel=SCALE_TOL), f"{name}: loss at step {step}"
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=SCALE_TOL), f"{name}: norm at step {step}"
-            want = got["plan"]["first_step" if step == 1 else "step"]
-            assert a["comm"] == want, (name, rank, step)
-            assert a["comm"]["cp_sends"] > 0 and a["comm"]["all_gathers"] > 0
-        _assert_close(got["grads"][0], ref["grads"][0], f"cp2 x tp2 {name} rank {rank} grads step 1")
-        _assert_close(got["params"][-1], ref["params"][-1], f"cp2 x tp2 {name} rank {rank} params step {STEPS}")
+            numbers = got["plan"]["pp_stage_groups"][rank // 2] if "pp2" in name else got["plan"]
+            assert a["comm"] == numbers["first_step" if step == 1 else "step"], (name, rank, step)
+            assert a["comm"]["cp_sends"] + a["comm"]["cp_all_to_alls"] > 0
+            assert a["comm"]["all_gathers" if "tp2" in name else "p2p_sends"] + a["comm"].get("p2p_recvs", 0) > 0
+        # A pipeline rank holds its stages' parameters only; the last stage's head is its copy of the tied
+        # embedding (one process names it once, tok_emb), its gradient the sum of both stages' after the step.
+        held = {k: TIED.get(k, k) for k in got["params"][-1]}
+        held_by_all |= set(held.values())
+        _assert_close(got["grads"][0], {k: ref["grads"][0][v] for k, v in held.items()},
+                      f"{name} rank {rank} grads step 1")
+        _assert_close(got["params"][-1], {k: ref["params"][-1][v] for k, v in held.items()},
+                      f"{name} rank {rank} params step {STEPS}")
+    assert held_by_all == set(ref["params"][-1])
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if n not in CONTROLS])
@@ -335,26 +354,25 @@ def test_attention_without_the_exchange_or_a_shift_after_the_cut_fails_the_compa
     (dict(method="star"), "dist.cp.method='star'"),
     (dict(layout="striped"), "dist.cp.layout='striped'"),
     (dict(dropout=0.1), "model.dropout=0.1"),
-    (dict(target="dist_trainer.models.DigitsConvNet"), "dist.cp.size=2"),
+    (dict(target="dist_trainer.models.DigitsConvNet"), "dist.cp.size=2: supports the built-in GPT"),
     (dict(method="ulysses", tp=2), "dist.cp.method='ulysses'"),  # 2 heads: 1 a tp rank, not cut over cp 2
     (dict(tp=2, block=20, data_block=20), "data.block_size=20"),  # zigzag's 4 chunks, each cut over tp 2: 8
-    (dict(pp=2), "dist.cp.size=2"),
+    (dict(moe=4), "dist.cp.size=2: with MoE layers"),
 ])
 def test_what_cannot_work_is_a_config_error_naming_the_key(change, key):
     cfg = cp_config(4, change.get("cp", 2), change.get("method", "ring"), change.get("layout", "zigzag"),
                     tp=change.get("tp", 1))
-    cfg.dist.pp = dataclasses.replace(cfg.dist.pp, size=change.get("pp", 1))
     cfg.model = {**cfg.model, "block_size": change.get("block", 24), "n_head": change.get("heads", 2),
                  "n_embd": 12 if "heads" in change else 16, "dropout": change.get("dropout", 0.0),
-                 "_target_": change.get("target", cfg.model["_target_"])}
+                 "_target_": change.get("target", cfg.model["_target_"]), "moe": {"num_experts": change.get("moe", 0)}}
     with pytest.raises(ConfigError, match=key.replace(".", r"\.").replace("[", r"\[")):
-        validate(cfg, 2 * change.get("tp", 1) * change.get("pp", 1))
+        validate(cfg, 2 * change.get("tp", 1))
 
 
 @pytest.mark.parametrize("change,key", [
     (dict(packing=True), "data.packing=True"),
-    (dict(task="masked_lm"), "dist.cp.size=2"),
-    (dict(model_type="qwen3_moe"), "dist.cp.size=2"),
+    (dict(task="masked_lm"), "dist.cp.size=2: supports the built-in GPT"),
+    (dict(model_type="qwen3_moe"), "dist.cp.size=2: with MoE layers"),
 ])
 def test_hugging_face_models_that_cannot_work_are_config_errors(change, key):
     cfg = hf_config(4, change.get("model_type", "llama"), 2)
@@ -367,7 +385,7 @@ def test_hugging_face_models_that_cannot_work_are_config_errors(change, key):
 @pytest.mark.parametrize("model_type,config,cp,method,match", [
     ("mistral", {"sliding_window": 8}, 2, "ring", "sliding-window"),
     ("llama", {"attention_dropout": 0.1}, 2, "ring", "attention dropout"),
-    ("llama", {}, 3, "ulysses", "4 attention heads divisible by dist.cp.size=3"),
+    ("llama", {}, 3, "ulysses", r"heads of a tp rank \(4\) divisible by dist.cp.size=3"),
     ("mixtral", {"num_local_experts": 4}, 2, "ring", "MoE layers"),
 ])
 def test_what_a_hugging_face_model_cannot_do_fails_before_the_first_collective(model_type, config, cp, method, match):

@@ -237,10 +237,12 @@ class GPT(nn.Module):
         """The next token each position predicts, as the last stage's loss takes them."""
         return batch["targets"]
 
-    def stage_forward(self, x: torch.Tensor, blocks: list, first: bool, last: bool) -> torch.Tensor:
-        """One pipeline stage: token ids (``first``) or the stream in; the stream or (``last``) logits out."""
+    def stage_forward(self, x: torch.Tensor, blocks: list, first: bool, last: bool,
+                      side: Optional[dict] = None) -> torch.Tensor:
+        """One pipeline stage: token ids (``first``) or the stream in; the stream or (``last``) logits out.
+        ``side``: the micro-batch's ``position_ids`` where context parallelism cut it."""
         if first:
-            x = self.embed(x)
+            x = self.embed(x, (side or {}).get("position_ids"))
         for block in blocks:
             x = block(x)
         return self.head(self.ln_f(x)) if last else x

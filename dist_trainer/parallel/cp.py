@@ -232,9 +232,10 @@ class ContextParallel:
         if mesh.cp == 1:
             return
         modules = _attention_modules(model, mesh.cp, cfg.method, mesh.tp)  # checked before the first collective
-        # cp groups: the ranks of one data rank and one tp index (rank = (data rank x cp + cp rank) x tp + tp index)
-        root = init_device_mesh(device_type, (mesh.grad_ranks // mesh.cp, mesh.cp, mesh.tp),
-                                mesh_dim_names=("dp", "cp", "tp"))
+        # cp groups: the ranks of one stage group, data rank and tp index
+        # (rank = ((stage group x data ranks + data rank) x cp + cp rank) x tp + tp index)
+        root = init_device_mesh(device_type, (mesh.pp, mesh.grad_ranks // mesh.cp, mesh.cp, mesh.tp),
+                                mesh_dim_names=("pp", "dp", "cp", "tp"))
         group = root["cp"].get_group()
         self.groups = [group]
         self.group = CPGroup(group, mesh.cp, mesh.cp_rank(rank), cfg.layout, self.counter)
@@ -263,6 +264,16 @@ class ContextParallel:
                              "a padded one): context parallelism masks causally by position only")
         if self.targets is not None:
             batch["targets"] = self.targets(batch)
+        return (self.cut(batch), *args[1:])
+
+    def padded(self, length: int) -> int:
+        """A sequence's length once padded to the unit (pipeline stages fix their shapes to it)."""
+        return -(-length // self.unit) * self.unit
+
+    def cut(self, batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Every ``[B, T]`` tensor of ``batch`` padded to the unit and cut to this rank's positions, and those
+        positions as ``position_ids`` (also for pipeline stages, which cut their window's micro-batches here)."""
+        batch = dict(batch)
         length = batch["input_ids"].shape[1]
         pad = -length % self.unit
         mine = self.group.positions((length + pad) // self.size, self.group.rank, batch["input_ids"].device)
@@ -272,7 +283,7 @@ class ContextParallel:
                     fill = IGNORE_INDEX if key in ("targets", "labels") else 0
                     tensor = F.pad(tensor, (0, pad), value=fill)
                 batch[key] = tensor[:, mine]
-        return ({**batch, "position_ids": mine.unsqueeze(0)}, *args[1:])
+        return {**batch, "position_ids": mine.unsqueeze(0)}
 
     def comm(self) -> Dict[str, int]:
         return dict(self.counter.counts) if self.size > 1 else {}
@@ -292,8 +303,8 @@ def _attention_modules(model: nn.Module, cp: int, method: str, tp: int) -> List[
     modules = model.context_modules()
     for module in modules:
         if method == "ulysses" and heads(module, tp)[0] % cp:
-            raise ConfigError(f"dist.cp.method=ulysses needs the model's {heads(module, tp)[0]} attention heads "
-                              f"(a tp rank's) divisible by dist.cp.size={cp}: use ring, or another cp size")
+            raise ConfigError(f"dist.cp.method=ulysses needs the attention heads of a tp rank ({heads(module, tp)[0]})"
+                              f" divisible by dist.cp.size={cp}: use ring, or another cp size")
         if getattr(module, "attention_dropout", 0.0) or getattr(module, "attn_dropout", 0.0):
             raise ConfigError(f"dist.cp.size={cp}: attention dropout is not split over the cp ranks: set the "
                               "model's attention dropout to 0")
@@ -323,15 +334,16 @@ def attention_work(length: int, cp: int, layout: str) -> List[int]:
     return [int((positions(length, cp, r, layout) + 1).sum()) for r in range(cp)]
 
 
-def expected_cp_comm(model: nn.Module, cfg: CPConfig, micro_batch_size: int, length: int, accum_steps: int,
-                     forwards: int, element_size: int, tp: int = 1) -> Dict[str, int]:
-    """The cp collectives of one step on every rank: per attention module (``context_modules()``) and
+def expected_cp_comm(layers: List[nn.Module], cfg: CPConfig, micro_batch_size: int, length: int,
+                     accum_steps: int, forwards: int, element_size: int, tp: int = 1) -> Dict[str, int]:
+    """The cp collectives of one step on a rank: per attention module of ``layers`` (``context_modules()``, or a
+    stage group's) and
     micro-batch, ``forwards`` forward passes (2 under activation checkpointing's recomputation) and one backward.
 
     ring: a forward passes the stacked keys and values on cp - 1 times, a backward cp - 1 times again and their
     gradients cp times, all at least float32 (``_RingAttention``). ulysses: a forward exchanges q, k, v (3 x) and
     the output (1 x) once each, a backward their gradients, in the activations' dtype (``element_size``)."""
-    cp, layers = cfg.size, model.context_modules()
+    cp = cfg.size
     counts = dict.fromkeys(CPCounter().counts, 0)
     local = padded_length(length, cp, cfg.layout, tp) // cp
     for layer in layers:

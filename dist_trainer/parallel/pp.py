@@ -425,7 +425,8 @@ class PipelineStrategy(FSDPStrategy):
         # FSDP (ignored_params), their gradients reduced over the edp ranks after the schedule.
         self.ep = (ExpertParallel(model, mesh, env.rank, env.device.type, check=False) if mesh.ep > 1
                    else NoExperts())
-        self.cp = apply_cp(model, mesh, cfg.cp, env.rank, env.device.type)  # none yet: config refuses cp x pp
+        # Context parallelism on this rank's stages' attention; each window's micro-batches are cut in _window.
+        self.cp = apply_cp(model, mesh, cfg.cp, env.rank, env.device.type)
         held_blocks = prepare_blocks(model, cfg.blocks, cfg.activation_checkpointing, False)  # this rank's blocks
         self.views = [StageModule(model, s, [b for i, b in enumerate(blocks) if i in cuts[s]], s == 0,
                                   s == stages - 1) for s in self.stage_ids]
@@ -457,7 +458,8 @@ class PipelineStrategy(FSDPStrategy):
         self._tie_group = self._tie_groups() if self.ties else None
         self.groups = [dist.group.WORLD, *dmesh.get_all_groups(), *(tp_mesh.get_all_groups() if tp_mesh else []),
                        self.pp_group,
-                       *([self._tie_group] if self._tie_group is not None else []), *self.ep.groups]
+                       *([self._tie_group] if self._tie_group is not None else []), *self.ep.groups,
+                       *self.cp.groups]
         self.counts: Dict[str, float] = {**dict.fromkeys(P2P_KEYS, 0), "compute_s": 0.0, "inflight": 0}
         self.schedule_name, self.per_rank, self.n_stages = schedule, per_rank, stages
         self.bubble: Optional[float] = None  # the predicted idle fraction, once the step's micro-batches are known
@@ -550,7 +552,9 @@ class PipelineStrategy(FSDPStrategy):
         if self.schedule is None:
             self.accum_steps, self.micro_batch_size = accum_steps, micro_batch_size
             self.seq_len = getattr(self.model, "block_size", None) or batches[0]["input_ids"].shape[1]
-            self._build(self.seq_len)
+            if self.cp.size > 1:  # the stages run on this rank's share of each (padded) sequence
+                self.seq_len = self.cp.padded(self.seq_len)
+            self._build(self.seq_len // self.cp.size)
 
     def forward_window(self, batches: List[Any], counted: List[bool], autocast: Callable[[], Any],
                        accum_steps: int, micro_batch_size: int) -> None:
@@ -592,6 +596,9 @@ class PipelineStrategy(FSDPStrategy):
             tgt = tgt if keep else torch.full_like(tgt, IGNORE_INDEX)
             side = {k: b[k][:rows] for k in SIDE_INPUTS if k in b}
             ids, tgt, side = _pad(ids, tgt, side, rows, self.seq_len)
+            if self.cp.size > 1:  # this rank's positions of every row, and those positions for the stages
+                side = self.cp.cut({"input_ids": ids, "targets": tgt, **side})
+                ids, tgt = side.pop("input_ids"), side.pop("targets")
             inputs.append(ids)
             targets.append(tgt)
             sides.append(side)
