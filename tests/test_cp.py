@@ -1,9 +1,10 @@
 """Context parallelism (dist.cp.size=2) against one process and one big batch.
 
-First the attention alone: 2 real ranks on gloo hold each half of a sequence's tokens (zig-zag or contiguous),
-and ring and Ulysses attention give the outputs and the q, k, v gradients of one process's causal attention
-over the whole sequence, in float64 (to 1e-12 of their scale: the method is exact, only rounding differs) and
-float32 (SCALE_TOL).
+First the attention alone: 2 and 4 real ranks on gloo hold each a part of a sequence's tokens (16, 64 and 256
+tokens; zig-zag or contiguous), and ring and Ulysses attention give the outputs and the q, k, v gradients of one
+process's causal attention over the whole sequence, in float64 (to 1e-12 of their scale: the method is exact,
+only rounding differs) and float32 (SCALE_TOL); the ring through torch's fused CPU kernel and through the math
+other devices run.
 
 Then training: a 2-layer GPT on 8 sequences a step whose valid tokens differ from sequence to sequence (some
 cp halves hold no valid label at all), split 2 cp ranks x 2 micro-batches of 4 whole sequences, against one
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import traceback
 
 import pytest
@@ -46,24 +48,32 @@ CLIP = 0.05
 
 # ------------------------------------------------------------------------------------------ attention alone
 
-SHAPE = (2, 4, 16, 8)  # batch, heads, tokens, head width
+SHAPE = (2, 4, 8)  # batch, heads, head width
+# (cp, tokens): on 2 ranks 16 and 64 tokens, on 4 ranks 64 and 256; the ring's pairs through torch's fused CPU
+# kernel and through the math written out that other devices run (the fused kernel switched off).
+LENGTHS = {2: (16, 64), 4: (64, 256)}
+KERNELS = ("fused", "math")
 
 
 def _attention_worker(rank: int, world_size: int) -> dict:
+    from dist_trainer.parallel import cp
+
     out = {}
-    for dtype in (torch.float64, torch.float32):
+    for length, dtype, kernel in itertools.product(LENGTHS[world_size], (torch.float64, torch.float32), KERNELS):
+        cp.FUSED_DEVICES = ("cpu",) if kernel == "fused" else ()
         gen = torch.Generator().manual_seed(7)
-        q, k, v, g = (torch.randn(SHAPE, generator=gen, dtype=dtype) for _ in range(4))
+        q, k, v, g = (torch.randn(SHAPE[:2] + (length, SHAPE[2]), generator=gen, dtype=dtype) for _ in range(4))
         for method in ("ring", "ulysses"):
             for layout in ("zigzag", "contiguous"):
                 group = CPGroup(dist.group.WORLD, world_size, rank, layout, CPCounter())
-                mine = positions(SHAPE[2], world_size, rank, layout)
+                mine = positions(length, world_size, rank, layout)
                 ql, kl, vl = (t[:, :, mine].clone().requires_grad_() for t in (q, k, v))
                 y = (_RingAttention.apply(ql, kl, vl, group) if method == "ring" else
                      ulysses_attention(ql, kl, vl, group))
                 (y * g[:, :, mine]).sum().backward()
-                out[(str(dtype), method, layout)] = {"positions": mine, "y": y.detach(), "dq": ql.grad,
-                                                     "dk": kl.grad, "dv": vl.grad, "counts": group.counter.counts}
+                out[(length, str(dtype), kernel, method, layout)] = {
+                    "positions": mine, "y": y.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad,
+                    "counts": group.counter.counts}
     return out
 
 
@@ -72,29 +82,32 @@ def attention(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mpatch:
         mpatch.setenv("OMP_NUM_THREADS", "1")
         mpatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-        return run_ranks(_attention_worker, 2, tmp_path_factory.mktemp("cp-attention"), timeout=120)
+        return {cp: run_ranks(_attention_worker, cp, tmp_path_factory.mktemp(f"cp{cp}-attention"), timeout=180)
+                for cp in LENGTHS}
 
 
-@pytest.mark.parametrize("method", ["ring", "ulysses"])
+@pytest.mark.parametrize("cp,length", [(cp, n) for cp, lengths in LENGTHS.items() for n in lengths])
+@pytest.mark.parametrize("method,kernel", [("ring", "fused"), ("ring", "math"), ("ulysses", "fused")])
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, SCALE_TOL)])
-def test_cp_attention_equals_whole_sequence_attention(attention, method, layout, dtype, tol):
+def test_cp_attention_equals_whole_sequence_attention(attention, cp, length, method, kernel, layout, dtype, tol):
     gen = torch.Generator().manual_seed(7)
-    q, k, v, g = (torch.randn(SHAPE, generator=gen, dtype=dtype).requires_grad_(i < 3) for i in range(4))
+    shape = SHAPE[:2] + (length, SHAPE[2])
+    q, k, v, g = (torch.randn(shape, generator=gen, dtype=dtype).requires_grad_(i < 3) for i in range(4))
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     (y * g).sum().backward()
-    got = [r[(str(dtype), method, layout)] for r in attention]
-    assert sorted(torch.cat([r["positions"] for r in got]).tolist()) == list(range(SHAPE[2]))
+    got = [r[(length, str(dtype), kernel, method, layout)] for r in attention[cp]]
+    assert sorted(torch.cat([r["positions"] for r in got]).tolist()) == list(range(length))
     for name, ref in (("y", y.detach()), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
         whole = torch.empty_like(ref)
         for r in got:
             whole[:, :, r["positions"]] = r[name]
-        assert_close_scaled(whole, ref, f"{method} {layout} {dtype} {name}", tol=tol)
+        assert_close_scaled(whole, ref, f"cp {cp} {length} {method} {kernel} {layout} {dtype} {name}", tol=tol)
     # A layer's forward and backward: ring passes keys and values on cp - 1 times forward, and again backward
     # with their gradients cp times; ulysses exchanges q, k, v and the output once each way.
     counts = got[0]["counts"]
     if method == "ring":
-        assert (counts["cp_sends"], counts["cp_all_to_alls"]) == (1 + 1 + 2, 0)
+        assert (counts["cp_sends"], counts["cp_all_to_alls"]) == ((cp - 1) + (cp - 1) + cp, 0)
     else:
         assert (counts["cp_sends"], counts["cp_all_to_alls"]) == (0, 4)
 

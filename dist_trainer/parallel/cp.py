@@ -47,6 +47,9 @@ from torch import nn
 from ..config import ConfigError, CPConfig, MeshShape
 
 IGNORE_INDEX = -100
+# Devices whose ring pairs run torch's fused attention kernel (CPU's flash kernel, which returns the log-sum-exp the
+# merge needs); elsewhere the same math written out. CUDA's fused kernels are not wired yet: no GPU has run them.
+FUSED_DEVICES = ("cpu",)
 
 
 def positions(length: int, cp: int, rank: int, layout: str, device: Any = None) -> torch.Tensor:
@@ -107,50 +110,89 @@ def _wait(works: List[Any]) -> None:
         work.wait()
 
 
-def _block(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One key block's causal scores of the queries (``[B, H, Tq, Tk]``, -inf where masked) and their log-sum-exp
-    per query (-inf for a query that sees none of the block)."""
+def chunk_ids(cp: int, rank: int, layout: str) -> List[int]:
+    """Which of the sequence's equal chunks cp rank ``rank`` holds, in order (2 cp chunks under zigzag, cp
+    contiguous)."""
+    return [rank, 2 * cp - 1 - rank] if layout == "zigzag" else [rank]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One (query chunk, key chunk) pair's attention output and its log-sum-exp per query: torch's fused CPU
+    kernel (flash attention's, ``aten._scaled_dot_product_flash_attention_for_cpu``: the one fused kernel that
+    returns the log-sum-exp the merge needs) on CPU, the same math written out elsewhere. ``causal``: the
+    diagonal pair (equal chunks, the mask aligned at their first position)."""
+    if q.device.type in FUSED_DEVICES:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, scale=scale)
     scores = (q @ k.transpose(-2, -1)) * scale
-    scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
-    return scores, torch.logsumexp(scores, dim=-1)
+    if causal:
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.exp(scores - lse[..., None]) @ v, lse
 
 
-def _finite(lse: torch.Tensor) -> torch.Tensor:
-    return torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+def _attend_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                     lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, ...]:
+    """One pair's q, k, v gradients given the whole attention's output and log-sum-exp of these queries (so the
+    pair's weights are its share of the whole softmax)."""
+    if q.device.type in FUSED_DEVICES:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(),
+            0.0, causal, scale=scale)
+    scores = (q @ k.transpose(-2, -1)) * scale
+    if causal:
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    p = torch.exp(scores - lse[..., None])
+    ds = p * (grad @ v.transpose(-2, -1) - (grad * out).sum(-1, keepdim=True))
+    return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, p.transpose(-2, -1) @ grad
+
+
+def _pairs(ring: CPGroup, source: int) -> List[tuple[int, int, bool]]:
+    """(this rank's chunk, ``source``'s chunk, diagonal) for every pair a causal mask leaves anything of: a key
+    chunk before the query chunk whole, the same chunk causally, a later one not at all."""
+    mine, theirs = chunk_ids(ring.size, ring.rank, ring.layout), chunk_ids(ring.size, source, ring.layout)
+    return [(i, j, a == b) for i, a in enumerate(mine) for j, b in enumerate(theirs) if b <= a]
+
+
+def _merge(acc: Optional[tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor,
+           lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The online-softmax merge: two partial attentions of the same queries over disjoint keys as one."""
+    if acc is None:
+        return out, lse
+    merged = torch.logaddexp(acc[1], lse)
+    return (acc[0] * torch.exp(acc[1] - merged)[..., None] + out * torch.exp(lse - merged)[..., None]), merged
 
 
 class _RingAttention(torch.autograd.Function):
-    """Causal attention over the group's tokens, keys and values passed around the ring; at least float32
-    inside."""
+    """Causal attention over the group's tokens, keys and values passed around the ring; float32 at least inside
+    (autocast off: the merge and the kernels in the inputs' type promoted to float32)."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: CPGroup,
                 scale: Optional[float] = None) -> torch.Tensor:
-        dtype, local = q.dtype, q.shape[-2]
+        dtype = q.dtype
         inner = torch.promote_types(dtype, torch.float32)  # float32 under autocast's half types, float64 kept
-        q, k, v = q.to(inner), k.to(inner), v.to(inner)
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-        q_pos = ring.positions(local, ring.rank, q.device)
-        kv = torch.stack([k, v])
-        out: Optional[torch.Tensor] = None
-        lse = torch.empty(0)
-        for step in range(ring.size):
-            works: List[Any] = []
-            if step < ring.size - 1:  # the next block travels while this one is computed
-                incoming, works = ring.pass_on(kv)
-            source = (ring.rank - step) % ring.size
-            scores, block_lse = _block(q, kv[0], q_pos, ring.positions(local, source, q.device), scale)
-            block_out = torch.exp(scores - _finite(block_lse)[..., None]) @ kv[1]
-            if out is None:  # this rank's own block: every query sees at least itself, so lse is finite
-                out, lse = block_out, block_lse
-            else:  # the online-softmax merge
-                merged = torch.logaddexp(lse, block_lse)
-                out = out * torch.exp(lse - merged)[..., None] + block_out * torch.exp(block_lse - merged)[..., None]
-                lse = merged
-            if works:
-                _wait(works)
-                kv = incoming
+        with torch.autocast(q.device.type, enabled=False):
+            q, k, v = q.to(inner), k.to(inner), v.to(inner)
+            n = len(chunk_ids(ring.size, ring.rank, ring.layout))
+            qs = q.chunk(n, dim=-2)
+            acc: List[Optional[tuple[torch.Tensor, torch.Tensor]]] = [None] * n
+            kv = torch.stack([k, v])
+            for step in range(ring.size):
+                works: List[Any] = []
+                if step < ring.size - 1:  # the next block travels while this one is computed
+                    incoming, works = ring.pass_on(kv)
+                ks, vs = kv[0].chunk(n, dim=-2), kv[1].chunk(n, dim=-2)
+                for i, j, diagonal in _pairs(ring, (ring.rank - step) % ring.size):
+                    acc[i] = _merge(acc[i], *_attend(qs[i], ks[j], vs[j], diagonal, scale))
+                if works:
+                    _wait(works)
+                    kv = incoming
+            # every query chunk has its diagonal pair: every query sees at least itself, its lse is finite
+            out = torch.cat([a[0] for a in acc], dim=-2)
+            lse = torch.cat([a[1] for a in acc], dim=-1)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.scale = ring, scale
         return out.to(dtype)
@@ -159,30 +201,34 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         q, k, v, out, lse = ctx.saved_tensors
         ring, scale = ctx.ring, ctx.scale
-        dtype, local = grad_out.dtype, q.shape[-2]
-        grad_out = grad_out.to(q.dtype)
-        q_pos = ring.positions(local, ring.rank, q.device)
-        delta = (grad_out * out).sum(-1, keepdim=True)  # the softmax's backward term, per query
-        dq = torch.zeros_like(q)
-        kv = torch.stack([k, v])
-        dkv = torch.zeros_like(kv)  # the gradients of the block held, travelling with it back to its owner
-        for step in range(ring.size):
-            works: List[Any] = []
-            if step < ring.size - 1:
-                incoming, works = ring.pass_on(kv)
-            source = (ring.rank - step) % ring.size
-            scores, _ = _block(q, kv[0], q_pos, ring.positions(local, source, q.device), scale)
-            p = torch.exp(scores - lse[..., None])  # this block's attention weights under the whole softmax
-            dp = grad_out @ kv[1].transpose(-2, -1)
-            ds = p * (dp - delta)
-            dq += (ds @ kv[0]) * scale
-            dkv = dkv + torch.stack([(ds.transpose(-2, -1) @ q) * scale, p.transpose(-2, -1) @ grad_out])
-            dkv, grad_works = ring.pass_on(dkv, tag=1)  # after cp passes it is back on its owner: this rank's own
-            _wait(grad_works)
-            if works:
-                _wait(works)
-                kv = incoming
-        return dq.to(dtype), dkv[0].to(dtype), dkv[1].to(dtype), None, None
+        dtype = grad_out.dtype
+        with torch.autocast(q.device.type, enabled=False):
+            n = len(chunk_ids(ring.size, ring.rank, ring.layout))
+            grad_out = grad_out.to(q.dtype)
+            qs, gs = q.chunk(n, dim=-2), grad_out.chunk(n, dim=-2)
+            outs, lses = out.chunk(n, dim=-2), lse.chunk(n, dim=-1)
+            dq = [torch.zeros_like(c) for c in qs]
+            kv = torch.stack([k, v])
+            dkv = torch.zeros_like(kv)  # the gradients of the block held, travelling with it back to its owner
+            for step in range(ring.size):
+                works: List[Any] = []
+                if step < ring.size - 1:
+                    incoming, works = ring.pass_on(kv)
+                ks, vs = kv[0].chunk(n, dim=-2), kv[1].chunk(n, dim=-2)
+                dks, dvs = [torch.zeros_like(c) for c in ks], [torch.zeros_like(c) for c in vs]
+                for i, j, diagonal in _pairs(ring, (ring.rank - step) % ring.size):
+                    gq, gk, gv = _attend_backward(gs[i], qs[i], ks[j], vs[j], outs[i], lses[i], diagonal, scale)
+                    dq[i] += gq
+                    dks[j] += gk
+                    dvs[j] += gv
+                dkv = dkv + torch.stack([torch.cat(dks, dim=-2), torch.cat(dvs, dim=-2)])
+                dkv, grad_works = ring.pass_on(dkv, tag=1)  # after cp passes it is back on its owner: this rank's
+                _wait(grad_works)
+                if works:
+                    _wait(works)
+                    kv = incoming
+            dq_all = torch.cat(dq, dim=-2)
+        return dq_all.to(dtype), dkv[0].to(dtype), dkv[1].to(dtype), None, None
 
 
 class _AllToAll(torch.autograd.Function):
