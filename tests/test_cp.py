@@ -13,8 +13,9 @@ step 1 and the weights after 3 AdamW steps are compared within SCALE_TOL of thei
 ring and ulysses, both layouts, activation checkpointing, clipping, fp16 with loss scaling and bf16 masters (to
 the half type's rounding), and sequences of 22 and 21 tokens padded to the layout's unit; and for Hugging Face llama and qwen2 (grouped keys and values, rotary positions) on
 right-padded batches without targets, whose labels are shifted from the ids before the cut. Every step's cp
-exchanges equal plan mode's. Two broken runs fail the same comparison: cp ranks that drop the other half's keys
-(attention local to each rank), and labels shifted after the cut.
+exchanges equal plan mode's. The step's 8 sequences are also split 1 x 8 and 4 x 2. Three broken runs fail the
+same comparison: cp ranks that drop the other half's keys (attention local to each rank), labels shifted after
+the cut, and each cp rank's mean loss weighted alike.
 """
 
 from __future__ import annotations
@@ -199,11 +200,31 @@ CASES = {  # name: (cp 2 config on 2 ranks, its one-process reference)
     "ulysses-zigzag-fsdp-bf16-master": (cp_config(4, 2, "ulysses", strategy="fsdp", precision="bf16-master"),
                                         "bf16-master"),
     "ulysses-contiguous-fsdp-hf-qwen2": (hf_config(4, "qwen2", 2, "ulysses", "contiguous", "fsdp"), "qwen2"),
-    # broken on purpose: no exchange; the labels shifted after the cut, within each rank's chunks
+    # the other splits of the step's 8 sequences: one micro-batch of 8, four of 2
+    "ring-zigzag-ddp-micro8": (cp_config(8, 2), "plain"),
+    "ulysses-zigzag-ddp-micro2": (cp_config(2, 2, "ulysses"), "plain"),
+    # broken on purpose: no exchange; the labels shifted after the cut, within each rank's chunks; each cp rank's
+    # mean loss weighted alike (Megatron's default)
     "ring-zigzag-ddp-local": (cp_config(4, 2), "plain"),
     "ring-zigzag-ddp-hf-llama-shift-after-cut": (hf_config(4, "llama", 2), "llama"),
+    "ring-zigzag-ddp-per-rank-mean": (cp_config(4, 2), "plain"),
 }
-CONTROLS = ("ring-zigzag-ddp-local", "ring-zigzag-ddp-hf-llama-shift-after-cut")
+CONTROLS = ("ring-zigzag-ddp-local", "ring-zigzag-ddp-hf-llama-shift-after-cut", "ring-zigzag-ddp-per-rank-mean")
+
+
+def _weigh_rank_means_alike(model, cp: int) -> None:
+    """The per-rank-mean trap: each cp rank's loss is its tokens' mean times the micro-batch's valid tokens / cp,
+    so the halves of a sequence weigh alike whatever tokens each holds."""
+    whole = {}
+
+    def count(module, args):  # before the cut (prepended after it, so it runs first): the whole micro-batch's
+        whole["items"] = int((args[0]["targets"] != -100).sum())
+
+    def mean(module, args, out):
+        return {**out, "loss_sum": out["loss_sum"] / out["num_items"].clamp(min=1) * whole["items"] / cp}
+
+    model.register_forward_pre_hook(count, prepend=True)
+    model.register_forward_hook(mean)
 
 
 def _run_job(env, world_size: int, name: str, cfg) -> dict:
@@ -216,6 +237,8 @@ def _run_job(env, world_size: int, name: str, cfg) -> dict:
             block.attn.context = lambda q, k, v, scale=None: F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if name.endswith("shift-after-cut") and world_size > 1:  # the model shifts each rank's ids into labels
         trainer.strategy.cp.targets = None
+    if name.endswith("per-rank-mean") and world_size > 1:
+        _weigh_rank_means_alike(module, world_size)
     rec = {"outcomes": [], "grads": [], "params": [], "plan": plan_numbers(cfg, plan)}
     for step, (window, micro_batches) in zip(range(1, STEPS + 1),
                                              epoch_batches(parts.train_set, parts.step_plan, 0, 0, 0, False)):
@@ -334,12 +357,12 @@ def test_every_step_exchanges_what_plan_mode_predicts(runs, name):
         assert numbers["mesh"]["cp"] == 2 and numbers["comm_dims"]["cp_sends"] == "cp"
         for step, want in ((1, numbers["first_step"]), (2, numbers["step"]), (3, numbers["step"])):
             assert got["outcomes"][step - 1]["comm"] == want, (name, rank, step)
-    # 2 layers x 2 micro-batches: ring 1 send a forward (again in the recomputation), 1 + 2 a backward;
+    # 2 layers x the micro-batches: ring 1 send a forward (again in the recomputation), 1 + 2 a backward;
     # ulysses 2 all-to-alls a forward, 2 a backward
     step = _rec(two[0], name)["plan"]["step"]
-    forwards = 2 if name.endswith("ac") else 1
+    forwards, accum = 2 if name.endswith("ac") else 1, GLOBAL // CASES[name][0].batch.micro_batch_size
     assert (step["cp_sends"], step["cp_all_to_alls"]) == (
-        (2 * 2 * (forwards + 3), 0) if name.startswith("ring") else (0, 2 * 2 * (2 * forwards + 2)))
+        (2 * accum * (forwards + 3), 0) if name.startswith("ring") else (0, 2 * accum * (2 * forwards + 2)))
     work = step and _rec(two[0], name)["plan"]["cp_attention_work"]
     assert (len(set(work)) == 1) == ("zigzag" in name), work
 
@@ -350,7 +373,7 @@ def test_clipping_acts_in_the_clipped_case(runs):
 
 
 @pytest.mark.parametrize("name", CONTROLS)
-def test_attention_without_the_exchange_or_a_shift_after_the_cut_fails_the_comparison(runs, name):
+def test_attention_without_the_exchange_a_shift_after_the_cut_or_rank_means_fail_the_comparison(runs, name):
     one, two = runs
     got, ref = _rec(two[0], name), _rec(one, CASES[name][1])
     worst = max(scaled_error(got["grads"][0][k], ref["grads"][0][k]) for k in ref["grads"][0])
