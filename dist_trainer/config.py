@@ -803,6 +803,32 @@ def _validate_ep(cfg: Config, mesh: MeshShape) -> None:
            "experts' FP32 masters would be whole): use a *-mixed precision, or dist.strategy=fsdp")
 
 
+# Models whose loss the framework computes from the logits they return (models.hf): model.loss does not reach it.
+HF_MODELS = ("dist_trainer.models.hf.hf_model", "dist_trainer.hf.models.hf_model")
+
+
+def _validate_loss(cfg: Config, mesh: MeshShape) -> None:
+    """``model.loss`` (the built-in GPT's): its keys, and ``chunked`` refused where the chunks would not be exact.
+
+    The chunked loss runs in the model's own forward, reading the head's weight whole (``models/loss.py``).
+    """
+    loss = cfg.model.get("loss")
+    if not isinstance(loss, dict):
+        return  # absent, or a custom model's own constructor argument
+    from .models.loss import LossOptions  # the one reader of model.loss
+
+    if not LossOptions.from_dict(loss).chunked:
+        return
+    key, fix = "model.loss.chunked", "set model.loss.chunked=false"
+    _check(cfg.model.get("_target_") not in HF_MODELS, key, True, "is the built-in GPT's; the framework computes "
+           f"a Hugging Face model's loss from the logits it returns: {fix}")
+    _check(mesh.tp == 1, key, True, f"with dist.tp.size={mesh.tp} is not supported: the head is cut over the "
+           "vocabulary and dist.tp.loss_parallel already computes the cross-entropy on each rank's slice of the "
+           f"logits without gathering them; {fix} (or dist.tp.size=1)")
+    _check(mesh.pp == 1, key, True, f"with dist.pp.size={mesh.pp} is not supported: the last stage hands its "
+           f"logits to the pipeline schedule, which computes the loss from them; {fix} (or dist.pp.size=1)")
+
+
 # The models context parallelism supports: the built-in GPT, and Hugging Face causal decoders (models.hf checks
 # the layout and the attention when it builds: Llama's, full causal attention).
 CP_MODELS = ("dist_trainer.models.GPT", "dist_trainer.models.hf.hf_model", "dist_trainer.hf.models.hf_model")
@@ -932,6 +958,7 @@ def validate(cfg: Config, world_size: int, local_world_size: Optional[int] = Non
     mesh = derive_mesh(cfg.dist, world_size, local_world_size or world_size)
     _validate_ep(cfg, mesh)
     _validate_cp(cfg, mesh)
+    _validate_loss(cfg, mesh)
     # The ranks of one tensor-parallel group see the same micro-batches: the split counts data-parallel ranks.
     accum, glob = derive_batch(batch, mesh.data_ranks, "world size" if mesh.data_ranks == world_size else
                                "data-parallel ranks (" + ", ".join(f"dist.{k}.size={n}" for k, n in

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..moe import BalanceConfig, Experts, MoE, Routing, SharedExperts, inactive_params
+from .loss import LossOptions, chunked_loss_terms
 
 __all__ = ["GPT", "DigitsConvNet", "BranchyMLP"]
 
@@ -113,6 +114,9 @@ class GPT(nn.Module):
     ``{"loss_sum": float32 scalar, "num_items": int64 scalar}``: the summed
     next-token cross-entropy in nats over all non-ignored target tokens, and
     the number of such tokens.
+
+    ``loss`` (``model.loss``): ``chunked: true`` computes the head and the cross-entropy ``chunk_tokens``
+    tokens at a time (``models/loss.py``), so the whole ``[tokens, vocab]`` logits never exist; same numbers.
     """
 
     items_are_tokens = True  # num_items counts tokens: the trainer reports tokens_per_s
@@ -139,6 +143,7 @@ class GPT(nn.Module):
         dropout: float = 0.0,
         bias: bool = True,
         moe: Optional[Dict[str, Any]] = None,
+        loss: Optional[Dict[str, Any]] = None,
     ) -> None:
         super().__init__()
         for key, val in (("vocab_size", vocab_size), ("block_size", block_size),
@@ -164,6 +169,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(n_embd, bias=bias)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # weight tying
+        self.loss_options = LossOptions.from_dict(loss)
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -217,12 +223,16 @@ class GPT(nn.Module):
         )
         return self.drop(self.tok_emb(input_ids) + self.pos_emb(pos))
 
-    def logits(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Next-token logits ``[B, T, vocab_size]`` for ``input_ids`` ``[B, T]``."""
+    def hidden(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The final norm's output ``[B, T, n_embd]``, which the head turns into logits."""
         x = self.embed(input_ids, position_ids)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        return self.ln_f(x)
+
+    def logits(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Next-token logits ``[B, T, vocab_size]`` for ``input_ids`` ``[B, T]``."""
+        return self.head(self.hidden(input_ids, position_ids))
 
     def stage_dims(self) -> tuple[int, int]:
         """The stream's width and the logits' width (the vocabulary)."""
@@ -263,7 +273,13 @@ class GPT(nn.Module):
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.routing is not None:  # the positions the balancing terms count: those whose target counts
             self.routing.token_mask = batch["targets"] != IGNORE_INDEX
-        return self.loss_terms(self.logits(batch["input_ids"], batch.get("position_ids")), batch["targets"])
+        return self.head_loss(self.hidden(batch["input_ids"], batch.get("position_ids")), batch["targets"])
+
+    def head_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``loss_terms`` of the head's logits of ``hidden`` (the final norm's output), whole or chunk by chunk."""
+        if self.loss_options.chunked:  # the head's weight read directly: its logits exist a chunk at a time
+            return chunked_loss_terms(hidden, self.head.weight, targets, self.loss_options.chunk_tokens)
+        return self.loss_terms(self.head(hidden), targets)
 
 
 def moe_options(moe: Optional[Dict[str, Any]], n_embd: int) -> Optional[Dict[str, Any]]:

@@ -1,0 +1,129 @@
+"""The language-model loss in chunks of tokens (``model.loss.chunked``): the head and the cross-entropy without the
+whole ``[tokens, vocab]`` logits.
+
+The plain loss (``GPT.loss_terms``) computes the logits of the whole micro-batch, upcasts them to float32 and keeps
+them until backward, with the cross-entropy's own copy: at a 128k vocabulary that is 512 KiB per token per
+float32 copy, far more than everything else a small model keeps for a token. The chunked loss computes
+``chunk_tokens`` rows of logits at a time and keeps none of them for backward; the numbers are the plain path's
+(the sum of the tokens' cross-entropies in float32, ignored targets excluded), only summed chunk by chunk.
+
+Two implementations, picked by the dtype the head's matmul runs in (``head_dtype``):
+
+* float32 (fp32 weights, no autocast): torch's ``F.linear_cross_entropy`` with chunking options. It computes each
+  chunk's gradients during the forward (3 matmuls a chunk, nothing recomputed) and keeps two gradient-sized
+  buffers (the input's and the head weight's) until backward.
+* a half type (autocast, or half weights): ``_ChunkedHeadLoss`` below. ``F.linear_cross_entropy`` would return
+  the loss in the half type (a bf16 sum of thousands of token losses is off by whole nats) and, computing the
+  gradients in forward, would form the softmax's small probabilities before fp16's loss scale reaches them. Ours
+  computes each chunk's logits in the half type as autocast would, the cross-entropy in float32, keeps nothing of
+  the chunk, and recomputes it in backward (a 4th matmul a chunk), where the incoming gradient (the loss scale
+  included) multiplies the cross-entropy's gradient before it is cast to the half type, as on the plain path.
+  The head weight's gradient is summed over the chunks in float32 (each chunk's rounded once, like the plain
+  path's single product).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, Mapping, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ConfigError
+
+IGNORE_INDEX = -100
+# Rows of the head's matmul at a time. 1024 rows keep each chunk's matmuls large enough to run at full speed
+# (every chunk reads the whole head weight; far fewer rows make that read the cost), while a chunk's float32
+# logits stay at 4 KiB per vocabulary entry: 512 MiB at a 128k vocabulary, against 4 GiB for 8k tokens whole.
+DEFAULT_CHUNK_TOKENS = 1024
+KEYS = ("chunked", "chunk_tokens")
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """``model.loss``: ``chunked`` (false: the plain loss), ``chunk_tokens`` (rows of logits at a time)."""
+
+    chunked: bool = False
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+
+    @classmethod
+    def from_dict(cls, loss: Optional[Mapping[str, Any]]) -> "LossOptions":
+        """The one reader of ``model.loss``; a ConfigError naming the key."""
+        loss = dict(loss or {})
+        for key in loss:
+            if key not in KEYS:
+                raise ConfigError(f"model.loss.{key}: not a key of model.loss (one of {list(KEYS)})")
+        chunked, size = loss.get("chunked", False), loss.get("chunk_tokens", DEFAULT_CHUNK_TOKENS)
+        if not isinstance(chunked, bool):
+            raise ConfigError(f"model.loss.chunked={chunked!r}: must be true or false")
+        if not (isinstance(size, int) and not isinstance(size, bool) and size >= 1):
+            raise ConfigError(f"model.loss.chunk_tokens={size!r}: must be an integer >= 1 (rows of logits at a time)")
+        return cls(chunked, size)
+
+
+def chunked_loss_terms(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                       chunk_tokens: int) -> Dict[str, torch.Tensor]:
+    """``GPT.loss_terms`` of the logits ``hidden @ weight.T``, computed ``chunk_tokens`` rows at a time.
+
+    ``hidden`` ``[..., width]``: the final norm's output; ``weight`` ``[vocab, width]``: the head's (no bias).
+    """
+    x, t = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
+    dtype = head_dtype(x, weight)
+    if dtype == torch.float32 and hasattr(F, "linear_cross_entropy"):  # torch >= 2.13; else ours, in float32
+        options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=chunk_tokens, chunking_method=None)
+        loss_sum = F.linear_cross_entropy(x, weight, t, reduction="sum", ignore_index=IGNORE_INDEX, options=options)
+    else:
+        loss_sum = _ChunkedHeadLoss.apply(x, weight, t, chunk_tokens, dtype)
+    return {"loss_sum": loss_sum, "num_items": (targets != IGNORE_INDEX).sum()}
+
+
+def head_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype ``F.linear(x, weight)`` computes in here: autocast's where it is on for the device, else the
+    weight's (the plain path requires the input's to match it)."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+
+
+def _chunks(tokens: int, size: int) -> Iterator[slice]:
+    return (slice(start, min(start + size, tokens)) for start in range(0, tokens, size))
+
+
+def _chunk_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The plain path on one chunk: logits in the inputs' dtype, the summed cross-entropy in float32."""
+    logits = F.linear(x, weight).float()
+    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+class _ChunkedHeadLoss(torch.autograd.Function):
+    """Sum of the tokens' cross-entropies of ``x @ weight.T`` computed in ``dtype``, chunk by chunk; only ``x``,
+    the weight and the targets are kept for backward, which recomputes each chunk."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
+                dtype: torch.dtype) -> torch.Tensor:
+        ctx.save_for_backward(x, weight, targets)
+        ctx.chunk_tokens, ctx.dtype = chunk_tokens, dtype
+        with torch.autocast(x.device.type, enabled=False):  # the casts are explicit: autocast's, done once
+            w = weight.to(dtype)
+            total = torch.zeros((), dtype=torch.float32, device=x.device)
+            for rows in _chunks(x.shape[0], chunk_tokens):
+                total += _chunk_loss(x[rows].to(dtype), w, targets[rows])
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        x, weight, targets = ctx.saved_tensors
+        grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        # The weight's gradient summed over the chunks in float32: each chunk's product is rounded to the half
+        # type once, as the plain path's one product is; a sum in the half type would round at every chunk.
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        with torch.autocast(x.device.type, enabled=False), torch.enable_grad():
+            w = weight.detach().to(ctx.dtype).requires_grad_()
+            for rows in _chunks(x.shape[0], ctx.chunk_tokens):
+                xc = x[rows].detach().to(ctx.dtype).requires_grad_()
+                gx, gw = torch.autograd.grad(_chunk_loss(xc, w, targets[rows]), (xc, w), grad)
+                if grad_x is not None:
+                    grad_x[rows] = gx
+                grad_w += gw
+        return grad_x, grad_w.to(weight.dtype) if ctx.needs_input_grad[1] else None, None, None, None
