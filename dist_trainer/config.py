@@ -825,8 +825,6 @@ def _validate_loss(cfg: Config, mesh: MeshShape) -> None:
     _check(mesh.tp == 1, key, True, f"with dist.tp.size={mesh.tp} is not supported: the head is cut over the "
            "vocabulary and dist.tp.loss_parallel already computes the cross-entropy on each rank's slice of the "
            f"logits without gathering them; {fix} (or dist.tp.size=1)")
-    _check(mesh.pp == 1, key, True, f"with dist.pp.size={mesh.pp} is not supported: the last stage hands its "
-           f"logits to the pipeline schedule, which computes the loss from them; {fix} (or dist.pp.size=1)")
 
 
 # The models context parallelism supports: the built-in GPT, and Hugging Face causal decoders (models.hf checks

@@ -29,15 +29,16 @@ backward; measured 369 MiB), the chunked one less than a third of that (measured
 bf16 autocast).
 
 Two gloo ranks: 3 AdamW steps of the GPT on uneven valid tokens with model.loss.chunked=true (50-token chunks)
-under ddp (4 micro-batches a step), fsdp with activation checkpointing (2) and context parallelism (cp 2 under
-ddp) against one process with the plain loss on one batch of 32: every step's loss, items and gradient norm, the
+under ddp (4 micro-batches a step), fsdp with activation checkpointing (2), context parallelism (cp 2 under
+ddp) and pipeline stages (pp 2: the last stage computes each micro-batch's summed loss in chunks) against one
+process with the plain loss on one batch of 32: every step's loss, items and gradient norm, the
 gradients of step 1 and the weights after step 3 within SCALE_TOL of their scale (measured 3.9e-7 and 3.5e-6).
 Our own chunks on 2 ranks too: fp16-mixed under ddp (dynamic loss scaling through their backward) and bf16-master
 under fsdp (FSDP's bf16 parameters), against one process's plain loss in the same precision, to the half type's
 rounding (5e-3 and 3e-2; measured 3.8e-4 and 1.2e-2).
 
-Refused (a ConfigError naming model.loss.chunked, before anything is built): tensor and pipeline parallelism and
-Hugging Face models; wrong values of model.loss.* name their key. ``python -m dist_trainer
+Refused (a ConfigError naming model.loss.chunked, before anything is built): tensor parallelism and Hugging Face
+models; wrong values of model.loss.* name their key. ``python -m dist_trainer
 model.loss.chunked=true`` composes (the key is in conf/model/gpt.yaml) and reaches validation.
 """
 
@@ -198,21 +199,26 @@ def test_chunked_loss_adds_a_fraction_of_the_plain_loss_peak(tmp_path):
 # ------------------------------------------------------------------------------------------ two ranks
 
 def _config(micro: int, chunked: bool, strategy: str = "ddp", cp: int = 1, precision: str = "fp32",
-            checkpointing: bool = False):
+            checkpointing: bool = False, pp: int = 1, layers: int = 1):
     cfg = gpt_config(micro)  # test_accumulation's GPT on uneven valid tokens, 3 AdamW steps of 32 samples
+    cfg.model["n_layer"] = layers
     # 50 tokens a chunk: divides no micro-batch (96, 192 or 768 tokens; 48 or 96 on a cp rank)
     cfg.model = {**cfg.model, "loss": {"chunked": chunked, "chunk_tokens": 50}}
     cfg.precision = dataclasses.replace(cfg.precision, name=precision)
     return dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, strategy=strategy, cp=CPConfig(size=cp),
+                                                             pp=PPConfig(size=pp),
                                                              activation_checkpointing=checkpointing))
 
 
 # One process, one batch of 32, the plain loss. bf16-master under fsdp, as on the 2 ranks: under ddp the step's
 # gradients are the FP32 masters', not the bf16 model's .grad that _named_full reads.
 REFERENCES = {"fp32": _config(GLOBAL, False), "fp16-mixed": _config(GLOBAL, False, precision="fp16-mixed"),
-              "bf16-master": _config(GLOBAL, False, "fsdp", precision="bf16-master")}
+              "bf16-master": _config(GLOBAL, False, "fsdp", precision="bf16-master"),
+              "fp32-2-layers": _config(GLOBAL, False, layers=2)}
 CASES = {"ddp": _config(4, True), "fsdp-ac": _config(8, True, "fsdp", checkpointing=True),
          "cp2-ddp": _config(8, True, cp=2),
+         # pp 2: the last stage computes each micro-batch's summed loss in chunks, inside the stage
+         "pp2": _config(4, True, pp=2, layers=2),  # a block a stage
          # the half types: our own chunks, dynamic loss scaling through their backward, FSDP's bf16 parameters
          "ddp-fp16-mixed": _config(4, True, precision="fp16-mixed"),
          "fsdp-bf16-master": _config(8, True, "fsdp", precision="bf16-master")}
@@ -227,6 +233,8 @@ def _run_job(env, world_size: int, cfg) -> dict:
     parts = build(cfg, validate(cfg, world_size), env)
     trainer, module = parts.trainer, parts.trainer.module
     assert module.loss_options.chunked == cfg.model["loss"]["chunked"]
+    if cfg.dist.pp.size > 1:  # the last stage returns its summed loss, not logits
+        assert trainer.strategy.chunked_loss
     rec = {"outcomes": [], "grads": None, "params": None}
     batches = epoch_batches(parts.train_set, parts.step_plan, 0, 0, 0, False)
     for step, (window, micro_batches) in zip(range(1, STEPS + 1), batches):
@@ -260,7 +268,7 @@ def runs(tmp_path_factory):
 def test_two_ranks_with_chunks_equal_one_process_without(runs, name):
     one, two = runs
     precision = CASES[name].precision.name
-    ref, tol = one[precision], RUN_TOL[precision]
+    ref, tol = one["fp32-2-layers" if name == "pp2" else precision], RUN_TOL[precision]
     assert "error" not in ref, ref.get("error")
     for rank, results in enumerate(two):
         got = results[name]
@@ -271,18 +279,23 @@ def test_two_ranks_with_chunks_equal_one_process_without(runs, name):
             assert a["loss"] == pytest.approx(b["loss"], rel=tol), f"{name}: loss at step {step}"
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=tol), f"{name}: norm at step {step}"
         what = f"{name} rank {rank}"
-        assert_all_close_scaled(got["grads"], ref["grads"], f"{what} gradients of step 1", tol)
+        # A pipeline rank holds its stages' parameters; the last stage's head is its copy of the tied embedding.
+        held = {k: "tok_emb.weight" if k == "head.weight" else k for k in got["params"]}
+        assert_all_close_scaled(got["grads"], {k: ref["grads"][v] for k, v in held.items()},
+                                f"{what} gradients of step 1", tol)
         if precision == "fp32":
-            assert_all_close_scaled(got["params"], ref["params"], f"{what} weights after step {STEPS}")
+            assert_all_close_scaled(got["params"], {k: ref["params"][v] for k, v in held.items()},
+                                    f"{what} weights after step {STEPS}")
+        if "pp" not in name:
+            assert set(held) == set(ref["params"]), what
 
 
 # ------------------------------------------------------------------------------------------ what is refused
 
 @pytest.mark.parametrize("change,match", [
     (lambda c: dataclasses.replace(c.dist, tp=TPConfig(size=2)), "dist.tp.size=2"),
-    (lambda c: dataclasses.replace(c.dist, pp=PPConfig(size=2)), "dist.pp.size=2"),
 ])
-def test_tensor_and_pipeline_parallelism_refuse_the_chunked_loss(change, match):
+def test_tensor_parallelism_refuses_the_chunked_loss(change, match):
     cfg = _config(4, True)
     cfg.dist = change(cfg)
     with pytest.raises(ConfigError, match=r"^model\.loss\.chunked=True: with " + match.replace(".", r"\.")):

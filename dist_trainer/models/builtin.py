@@ -250,12 +250,18 @@ class GPT(nn.Module):
     def stage_forward(self, x: torch.Tensor, blocks: list, first: bool, last: bool,
                       side: Optional[dict] = None) -> torch.Tensor:
         """One pipeline stage: token ids (``first``) or the stream in; the stream or (``last``) logits out.
-        ``side``: the micro-batch's ``position_ids`` where context parallelism cut it."""
+        ``side``: the micro-batch's ``position_ids`` where context parallelism cut it, and its ``targets`` under
+        ``model.loss.chunked``, where the last stage returns the summed loss (``[1]``) instead of the logits: the
+        chunks run inside the stage, where its parameters are gathered and their gradients reach FSDP."""
         if first:
             x = self.embed(x, (side or {}).get("position_ids"))
         for block in blocks:
             x = block(x)
-        return self.head(self.ln_f(x)) if last else x
+        if not last:
+            return x
+        if self.loss_options.chunked:
+            return self.head_loss(self.ln_f(x), side["targets"])["loss_sum"].reshape(1)
+        return self.head(self.ln_f(x))
 
     @staticmethod
     def loss_terms(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:

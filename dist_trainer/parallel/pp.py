@@ -409,6 +409,8 @@ class PipelineStrategy(FSDPStrategy):
             check_ep(model, mesh)
         self.ties = untie_across(model, model.pp_first, model.pp_last)
         self.width, self.vocab = model.stage_dims()
+        # model.loss.chunked: the last stage returns its micro-batch's summed loss, never the logits
+        self.chunked_loss = bool(getattr(getattr(model, "loss_options", None), "chunked", False))
         self.stream_dtype = precision.param_dtype or torch.float32  # what stages send: activations, their grads
         self.stream_shape: Tuple[int, ...] = ()  # micro-batch rows x tokens (a tp rank's shard) x width, built
         first, last = 0 in self.stage_ids, stages - 1 in self.stage_ids
@@ -490,7 +492,10 @@ class PipelineStrategy(FSDPStrategy):
     # -- the step ---------------------------------------------------------------------------------------------
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        terms = self.model.loss_terms(output, target)
+        if self.chunked_loss:  # the last stage computed the summed loss itself (model.loss.chunked)
+            terms = {"loss_sum": output.sum(), "num_items": (target != IGNORE_INDEX).sum()}
+        else:
+            terms = self.model.loss_terms(output, target)
         loss_sum = terms["loss_sum"].float()
         recorded = loss_sum.detach()
         self._losses.append((recorded.full_tensor() if isinstance(recorded, DTensor) else recorded,
@@ -511,7 +516,8 @@ class PipelineStrategy(FSDPStrategy):
         for view in self.views:
             s = view.index
             inp = meta(mb, seq, dtype=torch.long) if s == 0 else meta(*self.stream_shape)
-            out = meta(mb, seq, vocab) if s == self.n_stages - 1 else meta(*self.stream_shape)
+            logits = meta(1, dtype=torch.float32) if self.chunked_loss else meta(mb, seq, vocab)
+            out = logits if s == self.n_stages - 1 else meta(*self.stream_shape)
             stages.append(_CountingStage(view, s, self.n_stages, self.env.device, input_args=inp, output_args=out,
                                          group=self.pp_group, counts=self.counts, meter=self.meter))
         for stage in stages:
@@ -599,6 +605,8 @@ class PipelineStrategy(FSDPStrategy):
             if self.cp.size > 1:  # this rank's positions of every row, and those positions for the stages
                 side = self.cp.cut({"input_ids": ids, "targets": tgt, **side})
                 ids, tgt = side.pop("input_ids"), side.pop("targets")
+            if self.chunked_loss:  # the last stage computes the loss from them
+                side = {**side, "targets": tgt}
             inputs.append(ids)
             targets.append(tgt)
             sides.append(side)
