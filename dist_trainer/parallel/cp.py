@@ -1,15 +1,16 @@
 """Context parallelism (``dist.cp.size``): each sequence's tokens split over the ranks of a cp group.
 
 The cp ranks of a group see the same micro-batches (``MeshShape.data_rank``). Before the model runs, each keeps
-its share of every sequence's positions (``positions``): labels were shifted by the data before the cut, the
-positions stay global (the position embedding reads them), and the loss is each rank's tokens' sum, divided
+its share of every sequence's positions (``positions``): labels are shifted before the cut (the data's targets,
+or the model's ``stage_targets`` of its labels), the positions stay global (the position embeddings read them), and the loss is each rank's tokens' sum, divided
 like any other by the step's valid tokens over every rank and micro-batch (the trainer's one all-reduce). Only
 attention needs the other ranks' tokens:
 
-* ``ring``: the keys and values travel around the group (cp - 1 exchanges a layer's forward); each block's
-  scores are masked by the global positions and merged by their log-sum-exp (flash attention's online
-  softmax). Backward passes the keys and values around again with their gradients, which end on their owner
-  (cp - 1 and cp exchanges).
+* ``ring``: the keys and values travel around the group (cp - 1 exchanges a layer's forward); this rank's chunks
+  are paired with the block's (an earlier chunk attended whole, the same chunk causally, a later one not at all),
+  each pair through torch's fused kernel on CPU, and the pairs merged by their log-sum-exp (flash attention's
+  online softmax). Backward passes the keys and values around again with their gradients, which end on their
+  owner (cp - 1 and cp exchanges).
 * ``ulysses``: one all-to-all turns (this rank's tokens, every head) into (every token, cp-th of the heads) for
   q, k and v at once, attention runs causally over the whole sequence, a second all-to-all turns the output
   back (DeepSpeed-Ulysses). Backward mirrors both.
@@ -28,6 +29,9 @@ positions restart, cannot be split this way by either method (a ConfigError, ``d
 Under tensor parallelism a cp group is the ranks of one data rank with the same tp index: each holds its tp
 rank's heads, and the exchange runs over those heads; sequence parallelism's shards are cut from a rank's share
 of the sequence, so the share is padded to a multiple of tp too (``unit``).
+
+Under pipeline stages each stage group has its own cp groups; the strategy cuts each window's micro-batches
+(``ContextParallel.cut``) before its schedule runs them, and the stages read the positions as a side input.
 
 Gradients: every cp rank's parameters receive the gradient of its tokens' loss (attention's cross terms arrive
 through the exchanged keys' and values' gradients); the strategy's reduction over all gradient ranks (cp ranks
