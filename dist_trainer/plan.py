@@ -202,6 +202,8 @@ def cp_comm(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision
 
 
 def _sequence_length(cfg: Config, plan: BatchPlan, model: nn.Module) -> int:
+    """A micro-batch's sequence length: the data's block_size (the model's where the data has none); under
+    pipeline stages the stages' fixed shape, the model's block_size."""
     if plan.mesh.pp > 1:  # the stages' fixed shape
         return getattr(model, "block_size", None) or cfg.data.get("block_size") or 1
     return _micro_batch_tokens(cfg, plan, model) // plan.micro_batch_size
@@ -209,11 +211,10 @@ def _sequence_length(cfg: Config, plan: BatchPlan, model: nn.Module) -> int:
 
 def _rank_tokens(cfg: Config, plan: BatchPlan, model: nn.Module) -> int:
     """A micro-batch's tokens on a rank: under cp its share of every sequence, padded to the layout's unit."""
-    mesh = plan.mesh
+    mesh, length = plan.mesh, _sequence_length(cfg, plan, model)
     if mesh.cp == 1:
-        return _micro_batch_tokens(cfg, plan, model)
-    length = padded_length(_sequence_length(cfg, plan, model), mesh.cp, cfg.dist.cp.layout, mesh.tp)
-    return plan.micro_batch_size * length // mesh.cp
+        return plan.micro_batch_size * length
+    return plan.micro_batch_size * padded_length(length, mesh.cp, cfg.dist.cp.layout, mesh.tp) // mesh.cp
 
 
 def moe_step_allreduces(plan: BatchPlan, model: nn.Module, counts: Dict[str, int]) -> Dict[str, int]:
@@ -341,9 +342,7 @@ def pp_expected(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
     stream = (precision.param_dtype or torch.float32).itemsize
     # The stages' fixed shape: micro-batch rows x the model's block_size (shorter sequences padded to it); under
     # sequence parallelism a rank sends its sequence shard.
-    tokens = plan.micro_batch_size * (getattr(model, "block_size", None) or cfg.data.get("block_size") or 1)
-    if mesh.cp > 1:  # a rank's share of each padded sequence
-        tokens = _rank_tokens(cfg, plan, model)
+    tokens = _rank_tokens(cfg, plan, model)
     shards = mesh.tp if mesh.tp > 1 and cfg.dist.tp.sequence_parallel else 1
     activation = tokens // shards * model.stage_dims()[0] * stream
     tied = _tied_across(model)
@@ -451,7 +450,7 @@ def tp_comm(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision
     Padded batches of shorter sequences send less. ``held``: the modules that count (a stage group's);
     ``tokens``: a micro-batch's, where it is not the data's (pipeline stages run at the model's block_size)."""
     param_bytes = (precision.param_dtype or torch.float32).itemsize
-    linear_bytes = precision.autocast_dtype.itemsize if precision.autocast_dtype is not None else param_bytes
+    linear_bytes = _activation_size(precision)
     blocks = find_blocks(model, cfg.dist.blocks) if cfg.dist.activation_checkpointing else []
     names = {id(m): name for name, m in model.named_modules()}
     return expected_tp_comm(model, cfg.dist.tp, tokens or _micro_batch_tokens(cfg, plan, model), plan.accum_steps,
@@ -666,9 +665,9 @@ def plan_numbers(cfg: Config, plan: BatchPlan, model: Optional[nn.Module] = None
     ep = {}
     if mesh.cp > 1:
         dims.update({"cp_sends": "cp", "cp_all_to_alls": "cp"})
-        length = _micro_batch_tokens(cfg, plan, model) // plan.micro_batch_size if not auto else 0
         # (query, key) pairs of one sequence each cp rank's attention computes: equal under zigzag
-        ep["cp_attention_work"] = attention_work(length, mesh.cp, cfg.dist.cp.layout) if not auto else None
+        ep["cp_attention_work"] = (attention_work(_sequence_length(cfg, plan, model), mesh.cp, cfg.dist.cp.layout)
+                                   if not auto else None)
     if mesh.ep > 1:
         dims["all_to_alls"] = "ep"
         if mesh.shards_experts:
