@@ -822,9 +822,10 @@ def _validate_loss(cfg: Config, mesh: MeshShape) -> None:
     key, fix = "model.loss.chunked", "set model.loss.chunked=false"
     _check(cfg.model.get("_target_") not in HF_MODELS, key, True, "is the built-in GPT's; the framework computes "
            f"a Hugging Face model's loss from the logits it returns: {fix}")
-    _check(mesh.tp == 1, key, True, f"with dist.tp.size={mesh.tp} is not supported: the head is cut over the "
-           "vocabulary and dist.tp.loss_parallel already computes the cross-entropy on each rank's slice of the "
-           f"logits without gathering them; {fix} (or dist.tp.size=1)")
+    # Under tp the chunks are computed on each rank's slice of the vocabulary, the layout loss_parallel gives.
+    _check(mesh.tp == 1 or cfg.dist.tp.loss_parallel, key, True, f"with dist.tp.size={mesh.tp} computes each "
+           "chunk's cross-entropy on the ranks' vocabulary slices, which dist.tp.loss_parallel=false gathers "
+           f"instead; set dist.tp.loss_parallel=true (or {fix})")
 
 
 # The models context parallelism supports: the built-in GPT, and Hugging Face causal decoders (models.hf checks

@@ -453,9 +453,11 @@ def tp_comm(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision
     linear_bytes = _activation_size(precision)
     blocks = find_blocks(model, cfg.dist.blocks) if cfg.dist.activation_checkpointing else []
     names = {id(m): name for name, m in model.named_modules()}
+    loss = getattr(model, "loss_options", None)  # the built-in GPT's model.loss
     return expected_tp_comm(model, cfg.dist.tp, tokens or _micro_batch_tokens(cfg, plan, model), plan.accum_steps,
                             param_bytes, linear_bytes, [names[id(b)] for b in blocks],
-                            plan.accum_steps if cfg.dist.fsdp.accum_sync == "every" else 1, held)
+                            plan.accum_steps if cfg.dist.fsdp.accum_sync == "every" else 1, held,
+                            loss.chunk_tokens if loss is not None and loss.chunked else None)
 
 
 def expected_peak_extra_bytes(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision) -> int:

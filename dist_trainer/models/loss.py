@@ -20,6 +20,14 @@ Two implementations, picked by the dtype the head's matmul runs in (``head_dtype
   included) multiplies the cross-entropy's gradient before it is cast to the half type, as on the plain path.
   The head weight's gradient is summed over the chunks in float32 (each chunk's rounded once, like the plain
   path's single product).
+
+Under tensor parallelism the head's weight is a DTensor cut over the vocabulary (``dist.tp.loss_parallel``'s
+layout), and ``_VocabParallelChunks`` computes each chunk's cross-entropy on the rank's vocabulary slice, as torch's
+``loss_parallel`` does on the whole logits: a chunk's maximum all-reduced, then its sum of exponentials and its
+targets' logits in one all-reduce (3 float32 values a token in 2 collectives a chunk, loss_parallel's bytes), the
+log-sum-exp kept for backward, which needs no collective of its own. The head's input is gathered as the
+column-wise head gathers it, and its gradient, a partial sum on each rank, reduced (or reduce-scattered back to
+the sequence shards) as the head's would be.
 """
 
 from __future__ import annotations
@@ -28,7 +36,9 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterator, Mapping, Optional
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ..config import ConfigError
 
@@ -68,6 +78,8 @@ def chunked_loss_terms(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
 
     ``hidden`` ``[..., width]``: the final norm's output; ``weight`` ``[vocab, width]``: the head's (no bias).
     """
+    if isinstance(weight, DTensor):  # tensor parallelism: the head cut over the vocabulary
+        return _vocab_parallel_terms(hidden, weight, targets, chunk_tokens)
     x, t = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
     dtype = head_dtype(x, weight)
     if dtype == torch.float32 and hasattr(F, "linear_cross_entropy"):  # torch >= 2.13; else ours, in float32
@@ -127,3 +139,80 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                     grad_x[rows] = gx
                 grad_w += gw
         return grad_x, grad_w.to(weight.dtype) if ctx.needs_input_grad[1] else None, None, None, None
+
+
+def _vocab_parallel_terms(hidden: torch.Tensor, weight: DTensor, targets: torch.Tensor,
+                          chunk_tokens: int) -> Dict[str, torch.Tensor]:
+    """``chunked_loss_terms`` with the head's weight cut over the vocabulary (``Shard(0)`` on a tp mesh)."""
+    mesh = weight.device_mesh
+    if mesh.ndim != 1 or weight.placements[0] != Shard(0):
+        raise ValueError(f"model.loss.chunked: the head's weight must be cut over the vocabulary on the tp mesh "
+                         f"alone; got {weight.placements} on {mesh}")
+    # The head's input whole on every rank, as the column-wise head takes it: gathered from the sequence shards
+    # under sequence parallelism. Its gradient here is each rank's part of a sum over the vocabulary slices
+    # (Partial), reduced on the way back (reduce-scattered to the shards, or all-reduced).
+    if isinstance(hidden, DTensor):
+        whole = hidden.redistribute(mesh, [Replicate()])
+    else:
+        whole = DTensor.from_local(hidden, mesh, [Replicate()], run_check=False)
+    x = whole.to_local(grad_placements=[Partial()])
+    rows = -(-weight.shape[0] // mesh.size())  # torch.chunk's cut: every rank but the last holds this many
+    first = mesh.get_local_rank() * rows
+    loss_sum = _VocabParallelChunks.apply(x.reshape(-1, x.size(-1)), weight.to_local(), targets.reshape(-1),
+                                          first, chunk_tokens, head_dtype(x, weight), mesh.get_group())
+    return {"loss_sum": loss_sum, "num_items": (targets != IGNORE_INDEX).sum()}
+
+
+def _slice_logits(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One chunk's logits of this rank's vocabulary slice, in ``dtype`` as autocast computes them, as float32."""
+    return F.linear(x.to(dtype), weight.to(dtype)).float()
+
+
+def _target_columns(targets: torch.Tensor, first: int, held: int) -> tuple:
+    """(column of each target in this rank's slice, clamped; whether the slice holds it)."""
+    column = targets - first
+    here = (column >= 0) & (column < held) & (targets != IGNORE_INDEX)
+    return column.clamp(0, max(held - 1, 0)), here
+
+
+class _VocabParallelChunks(torch.autograd.Function):
+    """Sum of the tokens' cross-entropies over a vocabulary cut between the tp ranks, chunk by chunk; keeps ``x``,
+    the rank's slice of the weight, the targets and each token's log-sum-exp (one float32) for backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, first: int,
+                chunk_tokens: int, dtype: torch.dtype, group: Any) -> torch.Tensor:
+        lse = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        with torch.autocast(x.device.type, enabled=False):  # the casts are explicit: autocast's, done once
+            for rows in _chunks(x.shape[0], chunk_tokens):
+                logits = _slice_logits(x[rows], weight, dtype)
+                column, here = _target_columns(targets[rows], first, weight.shape[0])
+                # The functional collectives, like DTensor's: tp's counter sees them as it sees loss_parallel's.
+                top = funcol.wait_tensor(funcol.all_reduce(logits.amax(dim=-1), "max", group))
+                picked = logits.gather(1, column[:, None]).squeeze(1) * here
+                sums = torch.stack([(logits - top[:, None]).exp().sum(dim=-1), picked])
+                exp_sum, target_logit = funcol.wait_tensor(funcol.all_reduce(sums, "sum", group)).unbind(0)
+                lse[rows] = exp_sum.log() + top
+                total += ((lse[rows] - target_logit) * (targets[rows] != IGNORE_INDEX)).sum()
+        ctx.save_for_backward(x, weight, targets, lse)
+        ctx.first, ctx.chunk_tokens, ctx.dtype = first, chunk_tokens, dtype
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        x, weight, targets, lse = ctx.saved_tensors
+        grad_x = torch.empty_like(x)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # see _ChunkedHeadLoss
+        with torch.autocast(x.device.type, enabled=False):
+            w = weight.to(ctx.dtype)
+            for rows in _chunks(x.shape[0], ctx.chunk_tokens):
+                logits = _slice_logits(x[rows], weight, ctx.dtype)
+                column, here = _target_columns(targets[rows], ctx.first, weight.shape[0])
+                # d loss / d logits: softmax minus the target's one-hot, on valid targets, times the incoming grad
+                dlogits = (logits - lse[rows, None]).exp()
+                dlogits[here.nonzero().squeeze(1), column[here]] -= 1.0
+                dlogits = (dlogits * ((targets[rows] != IGNORE_INDEX)[:, None] * grad)).to(ctx.dtype)
+                grad_x[rows] = (dlogits @ w).to(x.dtype)
+                grad_w += (dlogits.t() @ x[rows].to(ctx.dtype)).float()
+        return grad_x, grad_w.to(weight.dtype), None, None, None, None, None

@@ -458,7 +458,8 @@ def norm_activation_bytes(model: nn.Module, cfg: TPConfig, tokens: int, param_by
 
 def expected_tp_comm(model: nn.Module, cfg: TPConfig, tokens: int, accum: int, param_bytes: int,
                      linear_bytes: int, checkpointed: List[str], grad_reductions: int = 1,
-                     held: Optional[Callable[[str], bool]] = None) -> Dict[str, int]:
+                     held: Optional[Callable[[str], bool]] = None, chunk_tokens: Optional[int] = None
+                     ) -> Dict[str, int]:
     """Calls and bytes of the tp collectives of one optimizer step of ``accum`` micro-batches, by metrics key.
 
     ``tokens``: a micro-batch's (micro batch x sequence length); ``param_bytes``: bytes of an element of
@@ -483,7 +484,9 @@ def expected_tp_comm(model: nn.Module, cfg: TPConfig, tokens: int, accum: int, p
     ``replicate`` module under sequence parallelism all-gathers its input in forward and its output's gradient
     in backward (the residual stream's width: the first column-wise layer's input).
     ``held``: which of the plan's modules count (a pipeline stage group's; default all); the first
-    block's input cut counts where the first block is held.
+    block's input cut counts where the first block is held. ``chunk_tokens``: ``model.loss.chunked``'s chunks,
+    whose cross-entropy all-reduces the same three values a token in two collectives a chunk
+    (``models/loss.py``).
     """
     plan = checked_plan(model, cfg)
     head = head_of(model, plan)
@@ -539,7 +542,11 @@ def expected_tp_comm(model: nn.Module, cfg: TPConfig, tokens: int, accum: int, p
             if sp:
                 add("all_gather", tokens * module.in_features, param_bytes, forward_times(name))
             add(reduce, tokens * module.in_features, param_bytes, accum)
-            if cfg.loss_parallel:
+            if chunk_tokens is not None:  # a chunk's maximum, then its sums of exponentials and target logits
+                chunks = -(-tokens // chunk_tokens)
+                counts["tp_allreduces"] += 2 * chunks * forward_times(name)
+                counts["tp_allreduce_bytes"] += 3 * tokens * 4 * forward_times(name)
+            elif cfg.loss_parallel:
                 add("allreduce", tokens, 4, 3 * forward_times(name))
             else:  # a vocabulary the tp size does not divide is gathered in equal parts, the last one padded
                 add("all_gather", tokens * -(-module.out_features // cfg.size) * cfg.size, linear_bytes,
