@@ -28,6 +28,7 @@ from .parallel.blocks import find_blocks
 from .parallel.comm import COMM_KEYS as GRADIENT_COMM_KEYS
 from .parallel.cp import attention_work, expected_cp_comm, padded_length
 from .parallel.pp import held_along, pp_bubble, pp_inflight, schedule_orders
+from .activations import predicted_bytes
 from .parallel.tp import TP_COMM_KEYS, expected_tp_comm, local_shapes, norm_activation_bytes, resolve_plan
 from .precision import Precision
 from .trainer import STEP_FIXED_SLOTS
@@ -696,6 +697,8 @@ def plan_numbers(cfg: Config, plan: BatchPlan, model: Optional[nn.Module] = None
         "norm_activation_mb": (norm_activation_bytes(model, cfg.dist.tp, _rank_tokens(cfg, plan, model),
                                                      (precision.param_dtype or torch.float32).itemsize) / MIB
                                if mesh.tp > 1 and not auto else None),
+        # What autograd keeps for backward from one micro-batch's forward on a rank (fake tensors at its shape).
+        "activation_mb": _mib_or_none(None if auto else predicted_bytes(cfg, plan, precision)),
         "ckpt_staging_mb": expected_staging_bytes(cfg, params, persistent_buffer_bytes(model), mesh.shard, cut) / MIB,
         "load_host_peak_mb": expected_load_bytes(cfg, mesh, model, cut) / MIB,
         "export_host_peak_mb": expected_export_bytes(mesh, model) / MIB,
@@ -741,11 +744,24 @@ def _pp_numbers(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
         "export_host_peak_mb": expected_export_bytes(mesh, model) / MIB,
         "ckpt_staging_mb": max(g["ckpt_staging_mb"] for g in groups),
         "norm_activation_mb": None,
+        "activation_mb": None,  # a stage's forward is not run alone in plan mode
         "pp_bubble": pp_bubble(pp.schedule, mesh.pp, pp.stages_per_rank, plan.accum_steps),
         "pp_stage_groups": [{**g, "first_step": first_step_comm(g["step"]),
                              "resumed_step": resumed_step_comm(g["step"])} for g in groups],
         "step": step, "first_step": first_step_comm(step), "resumed_step": resumed_step_comm(step),
     }
+
+
+def _activation_shape(cfg: Config, plan: BatchPlan) -> str:
+    cp, loss = plan.mesh.cp, (cfg.model.get("loss") or {}) if isinstance(cfg.model, dict) else {}
+    return ", ".join([f"{plan.micro_batch_size} sequences"]
+                     + ([f"a cp-th of each sequence's tokens (dist.cp.size={cp})"] if cp > 1 else [])
+                     + (["the loss in chunks"] if loss.get("chunked") else [])
+                     + (["checkpointed blocks keep their inputs"] if cfg.dist.activation_checkpointing else []))
+
+
+def _mib_or_none(n: Optional[int]) -> Optional[float]:
+    return None if n is None else n / MIB
 
 
 def write_plan_json(numbers: Dict[str, Any], path: Path) -> None:
@@ -886,6 +902,8 @@ def plan_report(cfg: Config, world_size: int, local_world_size: Optional[int] = 
         + (", FP32 masters)" if cfg.precision.name.endswith("-master") else ")"),
         *([f"  at the step's peak, with gathered parameters and unsharded gradients: "
            f"{numbers['step_peak_state_mb']:.2f} MiB (step_peak_state_mb)"] if numbers["step_peak_state_mb"] else []),
+        *([f"  activations a micro-batch's forward keeps for backward on a rank: {numbers['activation_mb']:.2f} MiB "
+           f"(activation_mb; {_activation_shape(cfg, plan)})"] if numbers["activation_mb"] is not None else []),
         f"  a checkpoint's copy in host memory per rank under trainer.ckpt_async=true: "
         f"{numbers['ckpt_staging_mb']:.2f} MiB (ckpt_staging_mb; the model in FP32 and the optimizer state)",
         f"  dataset {len(dataset):,} samples: {step_plan.steps_per_epoch} optimizer steps per epoch "

@@ -178,6 +178,7 @@ class _RingAttention(torch.autograd.Function):
         dtype = q.dtype
         inner = torch.promote_types(dtype, torch.float32)  # float32 under autocast's half types, float64 kept
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        given = (q, k, v)
         with torch.autocast(q.device.type, enabled=False):
             q, k, v = q.to(inner), k.to(inner), v.to(inner)
             n = len(chunk_ids(ring.size, ring.rank, ring.layout))
@@ -197,7 +198,9 @@ class _RingAttention(torch.autograd.Function):
             # every query chunk has its diagonal pair: every query sees at least itself, its lse is finite
             out = torch.cat([a[0] for a in acc], dim=-2)
             lse = torch.cat([a[1] for a in acc], dim=-1)
-        ctx.save_for_backward(q, k, v, out, lse)
+        # q, k, v kept as they came (a half type's upcast is exact, redone in backward): under autocast half the
+        # bytes of float32 copies; the output and log-sum-exp in float32, as the merge made them
+        ctx.save_for_backward(*given, out, lse)
         ctx.ring, ctx.scale = ring, scale
         return out.to(dtype)
 
@@ -207,6 +210,7 @@ class _RingAttention(torch.autograd.Function):
         ring, scale = ctx.ring, ctx.scale
         dtype = grad_out.dtype
         with torch.autocast(q.device.type, enabled=False):
+            q, k, v = q.to(out.dtype), k.to(out.dtype), v.to(out.dtype)
             n = len(chunk_ids(ring.size, ring.rank, ring.layout))
             grad_out = grad_out.to(q.dtype)
             qs, gs = q.chunk(n, dim=-2), grad_out.chunk(n, dim=-2)
