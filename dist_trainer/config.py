@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Tuple
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-master", "fp16-master")
-OPTIMIZERS = ("adamw", "sgd")
+OPTIMIZERS = ("adamw", "sgd", "muon")
 LR_SCALINGS = ("none", "linear", "sqrt")
 SCHEDULES = ("constant", "cosine")
 NONFINITE_POLICIES = ("stop", "skip")
@@ -64,6 +64,20 @@ class PrecisionConfig:
 
 
 @dataclass
+class MuonConfig:
+    """optim.muon: Muon's keys (optim.name=muon), for the hidden layers' matrices; the rest take AdamW's optim.*."""
+
+    lr: float = 0.02  # before the schedule and batch-size scaling, which it follows as optim.lr does
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5  # Newton-Schulz iterations
+    ns_dtype: str = "fp32"  # fp32 or bf16 (torch.optim.Muon's: faster, not split-invariant)
+    adjust_lr: str = "original"  # original: sqrt(max(1, rows/cols)); match_rms_adamw: 0.2 sqrt(max(rows, cols))
+    # fnmatch patterns of parameter names that take AdamW although 2-D: embeddings, positions, the head
+    exclude: List[str] = field(default_factory=lambda: ["*emb*", "*wte*", "*wpe*", "*head.weight"])
+
+
+@dataclass
 class OptimConfig:
     name: str = "adamw"
     lr: float = 1e-3  # before scaling for the effective batch
@@ -82,6 +96,7 @@ class OptimConfig:
     # null: fused AdamW on CUDA, torch's default elsewhere (the per-parameter loop on CPU);
     # true/false forces fused on or off (fused on CPU: 3x faster steps, rounding-level differences).
     fused: Optional[bool] = None
+    muon: MuonConfig = field(default_factory=MuonConfig)
 
 
 @dataclass
@@ -617,6 +632,7 @@ def _validate_values(cfg: Config) -> None:
     _check(o.schedule in SCHEDULES, "optim.schedule", o.schedule, f"choose one of {SCHEDULES}")
     _check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
     _check(o.grad_clip is None or o.grad_clip > 0, "optim.grad_clip", o.grad_clip, "must be > 0 or null")
+    _validate_muon(o)
     _check(t.max_steps >= 1, "trainer.max_steps", t.max_steps, "must be >= 1")
     _check(isinstance(t.compile, bool), "trainer.compile", t.compile, "must be true or false")
     _check(t.log_every >= 1, "trainer.log_every", t.log_every, "must be >= 1")
@@ -805,6 +821,19 @@ def _validate_ep(cfg: Config, mesh: MeshShape) -> None:
 
 # Models whose loss the framework computes from the logits they return (models.hf): model.loss does not reach it.
 HF_MODELS = ("dist_trainer.models.hf.hf_model", "dist_trainer.hf.models.hf_model")
+
+
+def _validate_muon(o: OptimConfig) -> None:
+    m = o.muon
+    _check(m.lr > 0, "optim.muon.lr", m.lr, "must be > 0")
+    _check(0 <= m.momentum < 1, "optim.muon.momentum", m.momentum, "must be in [0, 1)")
+    _check(isinstance(m.ns_steps, int) and 1 <= m.ns_steps < 100, "optim.muon.ns_steps", m.ns_steps,
+           "must be an integer in [1, 100)")
+    _check(m.ns_dtype in ("fp32", "bf16"), "optim.muon.ns_dtype", m.ns_dtype, "choose fp32 or bf16")
+    _check(m.adjust_lr in ("original", "match_rms_adamw"), "optim.muon.adjust_lr", m.adjust_lr,
+           "choose original or match_rms_adamw")
+    _check(isinstance(m.exclude, (list, tuple)) and all(isinstance(x, str) for x in m.exclude),
+           "optim.muon.exclude", m.exclude, "must be a list of name patterns")
 
 
 def _validate_loss(cfg: Config, mesh: MeshShape) -> None:

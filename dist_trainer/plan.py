@@ -14,7 +14,7 @@ import json
 import math
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Collection, Dict, List, Optional, Tuple
 
 import torch
 from hydra.utils import instantiate
@@ -182,6 +182,34 @@ def expected_comm(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Pre
     counts["step_allreduces"] = 1
     counts["step_allreduce_bytes"] = step_stats_bytes(mesh.world_size)
     counts.update(moe_step_allreduces(plan, model, counts))
+    counts.update(muon_comm(cfg, mesh, model))
+    return counts
+
+
+def muon_comm(cfg: Config, mesh: MeshShape, model: nn.Module, held: Optional[Collection[int]] = None
+              ) -> Dict[str, int]:
+    """Muon's gathers in one step (optim.name=muon; none otherwise): each of its matrices that a rank holds a
+    slice of is all-gathered whole once per cut mesh dimension, the tp cut first, then FSDP's rows (bytes: the
+    gathered tensor, FP32, padded as the cut pads). ``held``: id() of the parameters this rank steps (all)."""
+    from .optim.muon import COMM_KEYS
+
+    if cfg.optim.name != "muon":
+        return {}
+    counts = dict.fromkeys(COMM_KEYS, 0)
+    cut, muon = local_shapes(model, cfg.dist.tp), muon_ids(cfg, model)
+    shards = mesh.shard if sharded_by_fsdp(cfg) else 1
+    for p in model.parameters():
+        if id(p) not in muon or (held is not None and id(p) not in held):
+            continue
+        rows, cols = p.shape
+        if id(p) in cut:  # tp's gather of the cut dimension, padded to a multiple of tp (of FSDP's rows, if cut)
+            local_rows, local_cols = cut[id(p)]
+            rows, cols = (local_rows * mesh.tp, cols) if local_rows != rows else (rows, local_cols * mesh.tp)
+            counts["muon_all_gathers"] += 1
+            counts["muon_all_gather_bytes"] += 4 * -(-rows // shards) * cols
+        if shards > 1:  # FSDP's rows, padded to a multiple of the shard group
+            counts["muon_all_gathers"] += 1
+            counts["muon_all_gather_bytes"] += 4 * -(-rows // shards) * shards * cols
     return counts
 
 
@@ -409,7 +437,9 @@ def pp_expected(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
         counts["step_allreduce_bytes"] = step_stats_bytes(mesh.world_size, pipeline=True)
         counts.update(moe_step_allreduces(plan, model, counts))
         trained = [p for unit in g["units"] for p in unit if p.requires_grad]
-        state = expected_state_bytes(cfg, trained, S, cut) + expert_state_bytes(cfg, g["experts"], mesh.ep)
+        counts.update(muon_comm(cfg, mesh, model, {id(p) for p in trained}))
+        state = (expected_state_bytes(cfg, trained, S, cut, muon_ids(cfg, model))
+                 + expert_state_bytes(cfg, g["experts"], mesh.ep))
         # Every unit stays gathered (a shard group of one rank too: FSDP2 still unshards into its own buffer) and
         # keeps its unsharded gradient from its first backward to the step's reduction; under zero_bubble a
         # stage is reduced and resharded in the step, after its last backward.
@@ -427,7 +457,7 @@ def pp_expected(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
         out.append({"stages": g["stages"], "blocks": g["blocks"], "first": g["first"], "last": g["last"],
                     "step": counts, "state_mb": state / MIB, "inflight": inflight[r],
                     "step_peak_state_mb": (state + held) / MIB,
-                    "ckpt_staging_mb": expected_staging_bytes(cfg, trained, 0, S, cut) / MIB,
+                    "ckpt_staging_mb": expected_staging_bytes(cfg, trained, 0, S, cut, muon_ids(cfg, model)) / MIB,
                     "load_host_peak_mb": expected_load_bytes(cfg, mesh, model, cut,
                                                              [p for unit in g["units"] for p in unit]) / MIB})
     return out
@@ -513,15 +543,25 @@ def first_step_comm(counts: Dict[str, int]) -> Dict[str, int]:
             "step_allreduce_bytes": counts["step_allreduce_bytes"] + 8 + 16}
 
 
-def _optimizer_state_elements(cfg: Config, elements: int, tensors: int) -> int:
-    """FP32 elements of optimizer state for ``elements`` weights in ``tensors`` tensors."""
-    if cfg.optim.name == "adamw":
-        return 2 * elements + tensors  # exp_avg, exp_avg_sq, and one scalar step per tensor
-    return elements if cfg.optim.momentum > 0 else 0  # SGD's momentum buffer
+def _optimizer_state_elements(cfg: Config, sizes: List[int], muon: List[bool]) -> int:
+    """FP32 elements of optimizer state for tensors of ``sizes`` elements each; ``muon``: which Muon steps."""
+    if cfg.optim.name == "sgd":
+        return sum(sizes) if cfg.optim.momentum > 0 else 0  # SGD's momentum buffer
+    # AdamW: exp_avg, exp_avg_sq and one scalar step a tensor; Muon (optim.name=muon): its momentum and step
+    return sum(n + 1 if m else 2 * n + 1 for n, m in zip(sizes, muon))
+
+
+def muon_ids(cfg: Config, model: nn.Module) -> set:
+    """id() of the parameters Muon steps (optim.name=muon; none otherwise)."""
+    if cfg.optim.name != "muon":
+        return set()
+    from .optim import muon_split
+
+    return {id(p) for _, p in muon_split(list(model.named_parameters()), cfg.optim)[0]}
 
 
 def expected_state_bytes(cfg: Config, params: List[torch.Tensor], shard: int,
-                         cut: Optional[Dict[int, torch.Size]] = None) -> int:
+                         cut: Optional[Dict[int, torch.Size]] = None, muon: Collection[int] = ()) -> int:
     """Model state one rank holds after an optimizer step (what ``state_mb`` measures), on the largest rank.
 
     ddp: every rank holds the parameters and their gradients in the parameters' dtype,
@@ -532,25 +572,25 @@ def expected_state_bytes(cfg: Config, params: List[torch.Tensor], shard: int,
     ``cut``: id(parameter) -> what a rank holds of it under tp (tp_local_shapes), before FSDP's cut.
     """
     cut = cut or {}
-    tensors = len(params)
+    is_muon = [id(p) in muon for p in params]
     if sharded_by_fsdp(cfg):
-        local = sum(shard_elements(p, shard, cut.get(id(p))) for p in params)
-        return 4 * (2 * local + _optimizer_state_elements(cfg, local, tensors))
-    elements = sum(p.numel() for p in params)
+        sizes = [shard_elements(p, shard, cut.get(id(p))) for p in params]
+        return 4 * (2 * sum(sizes) + _optimizer_state_elements(cfg, sizes, is_muon))
+    sizes = [p.numel() for p in params]
     own = 2 * sum(p.numel() * p.element_size() for p in params)  # parameters and their gradients
-    masters = 2 * 4 * elements if cfg.precision.name.endswith("-master") else 0
-    return own + masters + 4 * _optimizer_state_elements(cfg, elements, tensors)
+    masters = 2 * 4 * sum(sizes) if cfg.precision.name.endswith("-master") else 0
+    return own + masters + 4 * _optimizer_state_elements(cfg, sizes, is_muon)
 
 
 def expert_state_bytes(cfg: Config, experts: List[torch.Tensor], ep: int, edp: int = 1) -> int:
     """State of a rank's expert slices (FP32 parameter, gradient, optimizer state): 1/ep of each, and its padded
     shard of that over ``edp`` ranks where FSDP cuts it again."""
-    local = sum(shard_elements(p, edp, _slice(p, ep)) for p in experts)
-    return 4 * (2 * local + _optimizer_state_elements(cfg, local, len(experts)))
+    sizes = [shard_elements(p, edp, _slice(p, ep)) for p in experts]  # 3-D: never Muon's
+    return 4 * (2 * sum(sizes) + _optimizer_state_elements(cfg, sizes, [False] * len(sizes)))
 
 
 def expected_staging_bytes(cfg: Config, params: List[torch.Tensor], buffer_bytes: int, shard: int,
-                           cut: Optional[Dict[int, torch.Size]] = None) -> int:
+                           cut: Optional[Dict[int, torch.Size]] = None, muon: Collection[int] = ()) -> int:
     """Host memory a background checkpoint copies on the largest rank (``ckpt_staging_mb``, trainer.ckpt_async).
 
     ddp: rank 0 copies the FP32 model (the masters in master modes; a tied weight
@@ -561,10 +601,10 @@ def expected_staging_bytes(cfg: Config, params: List[torch.Tensor], buffer_bytes
     """
     cut = cut or {}
     if sharded_by_fsdp(cfg):
-        local = sum(shard_elements(p, shard, cut.get(id(p))) for p in params)
+        sizes = [shard_elements(p, shard, cut.get(id(p))) for p in params]
     else:
-        local = sum(p.numel() for p in params)
-    return 4 * (local + _optimizer_state_elements(cfg, local, len(params))) + buffer_bytes
+        sizes = [p.numel() for p in params]
+    return 4 * (sum(sizes) + _optimizer_state_elements(cfg, sizes, [id(p) in muon for p in params])) + buffer_bytes
 
 
 def persistent_buffer_bytes(model: nn.Module) -> int:
@@ -660,11 +700,15 @@ def plan_numbers(cfg: Config, plan: BatchPlan, model: Optional[nn.Module] = None
     experts = ep_experts(plan, model)
     skip = {id(p) for p in experts}
     # Expert slices: 1/ep of each expert tensor, whole on its rank (ddp), or cut over edp too (fsdp).
-    state = (expected_state_bytes(cfg, [p for p in params if id(p) not in skip], mesh.shard, cut)
+    muon = muon_ids(cfg, model)
+    state = (expected_state_bytes(cfg, [p for p in params if id(p) not in skip], mesh.shard, cut, muon)
              + expert_state_bytes(cfg, experts, mesh.ep, mesh.expert_data_ranks if mesh.shards_experts else 1))
     dims = dict(COMM_DIMS["hsdp" if mesh.kind == "ddp" and mesh.tp > 1 else mesh.kind])
     if mesh.tp > 1:
         dims.update({key: "tp" for key in TP_COMM_KEYS if not key.endswith("_bytes")})
+    if muon:  # whole matrices gathered over the dimensions that cut them
+        dims["muon_all_gathers"] = "tp, then shard" if mesh.tp > 1 and sharded_by_fsdp(cfg) else \
+            "tp" if mesh.tp > 1 else "shard"
     ep = {}
     if mesh.cp > 1:
         dims.update({"cp_sends": "cp", "cp_all_to_alls": "cp"})
@@ -699,7 +743,8 @@ def plan_numbers(cfg: Config, plan: BatchPlan, model: Optional[nn.Module] = None
                                if mesh.tp > 1 and not auto else None),
         # What autograd keeps for backward from one micro-batch's forward on a rank (fake tensors at its shape).
         "activation_mb": _mib_or_none(None if auto else predicted_bytes(cfg, plan, precision)),
-        "ckpt_staging_mb": expected_staging_bytes(cfg, params, persistent_buffer_bytes(model), mesh.shard, cut) / MIB,
+        "ckpt_staging_mb": expected_staging_bytes(cfg, params, persistent_buffer_bytes(model), mesh.shard, cut,
+                                                  muon) / MIB,
         "load_host_peak_mb": expected_load_bytes(cfg, mesh, model, cut) / MIB,
         "export_host_peak_mb": expected_export_bytes(mesh, model) / MIB,
         "step": step, "first_step": None if step is None else first_step_comm(step),
@@ -750,6 +795,21 @@ def _pp_numbers(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
                              "resumed_step": resumed_step_comm(g["step"])} for g in groups],
         "step": step, "first_step": first_step_comm(step), "resumed_step": resumed_step_comm(step),
     }
+
+
+def _muon_lines(cfg: Config, numbers: Dict[str, Any]) -> List[str]:
+    from .optim import optimizer_line
+
+    line = optimizer_line(list(meta_model(cfg, Precision(cfg.precision, torch.device("cpu"))).named_parameters()),
+                          cfg.optim)
+    if not line:
+        return []
+    step = numbers["step"] or (numbers.get("pp_stage_groups") or [{}])[0].get("step") or {}
+    over = numbers["comm_dims"].get("muon_all_gathers", "no cut dimension")
+    gathers = ("" if step.get("muon_all_gathers") is None else
+               f"; {step['muon_all_gathers']} all-gathers of whole matrices per optimizer step "
+               f"({_mib(step['muon_all_gather_bytes'])}, muon_all_gathers over {over})")
+    return [f"  optimizer: {line}{gathers}"]
 
 
 def _activation_shape(cfg: Config, plan: BatchPlan) -> str:
@@ -891,6 +951,7 @@ def plan_report(cfg: Config, world_size: int, local_world_size: Optional[int] = 
         f"  lr {plan.base_lr:g} -> {plan.lr:g} (optim.lr_scaling={cfg.optim.lr_scaling}"
         + (f", optim.base_batch_size={cfg.optim.base_batch_size})" if cfg.optim.lr_scaling != "none" else ")"),
         f"  model {numbers['parameters']:,} trainable parameters, precision {cfg.precision.name}",
+        *_muon_lines(cfg, numbers),
         *comm_lines(numbers, plan.accum_steps),
         *pp_lines(numbers),
         f"  plus 1 all-reduce of {step_stats_bytes(world_size, plan.mesh.pp > 1)} bytes (loss, item count, squared gradient norm, "

@@ -33,7 +33,7 @@ from .metrics import Outputs, peak_flops, peak_mem_mb
 from .models import construct, pretrained
 from .models.hf import TARGETS as HF_TARGETS
 from .moe import inactive_params, routing_of
-from .optim import build_optimizer
+from .optim import build_optimizer, optimizer_line
 from .parallel import build_strategy, check_consistency
 from .plan import plan_numbers, write_plan_json
 from .precision import Precision
@@ -87,6 +87,7 @@ def startup_report(plan: BatchPlan, env: DistEnv, cfg: Config, model: nn.Module,
         f"model {getattr(model, 'name', cfg.model['_target_'])}: {params:,} parameters | data {cfg.data['_target_']}: "
         f"{step_plan.num_samples} samples, {step_plan.steps_per_epoch} optimizer steps per epoch"
         + moe_line(model, plan)
+        + (f"\noptimizer: {line}" if (line := optimizer_line(list(model.named_parameters()), cfg.optim)) else "")
     )
 
 
@@ -176,7 +177,9 @@ def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
         frozen = checkpoint.frozen_digest(model)  # before wrapping: whole tensors on every rank (None on meta)
         strategy = build_strategy(model, env, cfg.dist, mesh, precision, cfg.trainer.compile, materialise)
     load_mb = materialise.mb if materialise is not None else built.mb
-    optimizer = build_optimizer(strategy.weights.optimizer_params(), cfg.optim, plan.lr)
+    # The optimizer's tensors (FP32 masters in master modes) are the trainable parameters', in order.
+    names = [n for n, p in strategy.module.named_parameters() if p.requires_grad]
+    optimizer = build_optimizer(strategy.weights.optimizer_params(), cfg.optim, plan.lr, names)
     trainer = Trainer(strategy, optimizer, precision, env, plan, cfg.optim, cfg.trainer, cfg.batch.partial_step)
     # Dropout and other runtime randomness per data-parallel rank: a tp group's ranks draw alike, so what
     # they hold whole (the residual stream without sequence parallelism) stays identical on each.

@@ -155,6 +155,11 @@ class Trainer:
         # they count on one rank of each (stage, data rank) group: the first of its tensor-parallel group.
         self.routing_share = float(plan.mesh is None or env.rank % plan.mesh.tp == 0)
 
+    def optimizer_comm(self) -> Dict[str, int]:
+        """The optimizer's own collectives (Muon's gathers of sharded matrices); none for the others."""
+        comm = getattr(self.optimizer, "comm", None)
+        return comm() if comm is not None else {}
+
     def train_step(self, batches: List[Any], window: Window, step: int,
                    stop_requested: Callable[[], bool] = lambda: False, data_time_s: float = 0.0,
                    busy: Callable[[], bool] = lambda: False) -> StepOutcome:
@@ -163,7 +168,7 @@ class Trainer:
         any rank's does, so that every rank learns that it ended at the same step."""
         strategy, scale = self.strategy, self.precision.scaler.scale
         began = time.perf_counter()
-        comm0 = {**strategy.comm(), **self.own_comm}
+        comm0 = {**strategy.comm(), **self.own_comm, **self.optimizer_comm()}
         strategy.track_peak(self.state_mb is None)  # until the step that measures state_mb
         self.weights.zero_grad()
         self.routing.begin_step(self.env.device)
@@ -177,7 +182,7 @@ class Trainer:
         if self.state_mb is None and not outcome.skipped:
             self.state_mb, self.step_peak_state_mb = self._measure_state_mb()
             strategy.track_peak(False)
-        comm = {**strategy.comm(), **self.own_comm}
+        comm = {**strategy.comm(), **self.own_comm, **self.optimizer_comm()}
         outcome.comm = {key: comm[key] - comm0[key] for key in comm}
         outcome.allreduces = outcome.comm.get("allreduces", 0)
         outcome.allreduce_bytes = outcome.comm.get("allreduce_bytes", 0)

@@ -399,9 +399,9 @@ class _CountCollectives(TorchDispatchMode):
     KINDS = {"all_reduce": "allreduces", "all_reduce_": "allreduces", "all_gather_into_tensor": "all_gathers",
              "reduce_scatter_tensor": "reduce_scatters"}
 
-    def __init__(self, counts: Dict[str, int]):
+    def __init__(self, counts: Dict[str, int], prefix: str = "tp_"):
         super().__init__()
-        self.counts = counts
+        self.counts, self.prefix = counts, prefix
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if isinstance(func, torch._ops.HigherOrderOperator):
@@ -415,9 +415,15 @@ class _CountCollectives(TorchDispatchMode):
             if kind is not None:
                 # bytes as fsdp counts them: the whole (gathered, or reduced-from) tensor
                 big = out if kind == "all_gathers" else args[0]
-                self.counts[f"tp_{kind}"] += 1
-                self.counts[f"tp_{kind[:-1]}_bytes"] += big.numel() * big.element_size()
+                self.counts[f"{self.prefix}{kind}"] += 1
+                self.counts[f"{self.prefix}{kind[:-1]}_bytes"] += big.numel() * big.element_size()
         return out
+
+
+def count_collectives(counts: Dict[str, int], prefix: str) -> _CountCollectives:
+    """A context counting DTensor's functional collectives into ``counts`` under keys ``prefix`` + kind (the
+    keys of TP_COMM_KEYS with ``tp_`` replaced)."""
+    return _CountCollectives(counts, prefix)
 
 
 TP_COMM_KEYS = ("tp_all_gathers", "tp_all_gather_bytes", "tp_reduce_scatters", "tp_reduce_scatter_bytes",
