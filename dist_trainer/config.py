@@ -75,6 +75,9 @@ class MuonConfig:
     adjust_lr: str = "original"  # original: sqrt(max(1, rows/cols)); match_rms_adamw: 0.2 sqrt(max(rows, cols))
     # fnmatch patterns of parameter names that take AdamW although 2-D: embeddings, positions, the head
     exclude: List[str] = field(default_factory=lambda: ["*emb*", "*wte*", "*wpe*", "*head.weight"])
+    # Cut matrices (fsdp, tp): gather (every rank all-gathers each and orthogonalises all) or owner (each gathered
+    # on one rank of its group, orthogonalised there, scattered back: a group-size-th of the iterations a rank)
+    dist: str = "gather"
 
 
 @dataclass
@@ -834,6 +837,7 @@ def _validate_muon(o: OptimConfig) -> None:
            "choose original or match_rms_adamw")
     _check(isinstance(m.exclude, (list, tuple)) and all(isinstance(x, str) for x in m.exclude),
            "optim.muon.exclude", m.exclude, "must be a list of name patterns")
+    _check(m.dist in ("gather", "owner"), "optim.muon.dist", m.dist, "choose gather or owner")
 
 
 def _validate_loss(cfg: Config, mesh: MeshShape) -> None:
@@ -987,6 +991,10 @@ def validate(cfg: Config, world_size: int, local_world_size: Optional[int] = Non
     _validate_ep(cfg, mesh)
     _validate_cp(cfg, mesh)
     _validate_loss(cfg, mesh)
+    if cfg.optim.name == "muon" and cfg.optim.muon.dist == "owner":  # owner gathers over one cut dimension
+        _check(mesh.tp == 1 or mesh.kind == "ddp", "optim.muon.dist", "owner", f"cuts a matrix over one mesh "
+               f"dimension, and dist.strategy={cfg.dist.strategy} with dist.tp.size={mesh.tp} cuts over two: set "
+               "optim.muon.dist=gather")
     # The ranks of one tensor-parallel group see the same micro-batches: the split counts data-parallel ranks.
     accum, glob = derive_batch(batch, mesh.data_ranks, "world size" if mesh.data_ranks == world_size else
                                "data-parallel ranks (" + ", ".join(f"dist.{k}.size={n}" for k, n in

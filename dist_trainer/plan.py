@@ -198,6 +198,14 @@ def muon_comm(cfg: Config, mesh: MeshShape, model: nn.Module, held: Optional[Col
     counts = dict.fromkeys(COMM_KEYS, 0)
     cut, muon = local_shapes(model, cfg.dist.tp), muon_ids(cfg, model)
     shards = mesh.shard if sharded_by_fsdp(cfg) else 1
+    # gather: an all-gather of each cut; owner: a gather to the owner and a scatter back, of the same bytes
+    kinds = ("gather", "scatter") if cfg.optim.muon.dist == "owner" else ("all_gather",)
+
+    def add(nbytes: int) -> None:
+        for kind in kinds:
+            counts[f"muon_{kind}s"] += 1
+            counts[f"muon_{kind}_bytes"] += nbytes
+
     for p in model.parameters():
         if id(p) not in muon or (held is not None and id(p) not in held):
             continue
@@ -205,11 +213,9 @@ def muon_comm(cfg: Config, mesh: MeshShape, model: nn.Module, held: Optional[Col
         if id(p) in cut:  # tp's gather of the cut dimension, padded to a multiple of tp (of FSDP's rows, if cut)
             local_rows, local_cols = cut[id(p)]
             rows, cols = (local_rows * mesh.tp, cols) if local_rows != rows else (rows, local_cols * mesh.tp)
-            counts["muon_all_gathers"] += 1
-            counts["muon_all_gather_bytes"] += 4 * -(-rows // shards) * cols
+            add(4 * -(-rows // shards) * cols)
         if shards > 1:  # FSDP's rows, padded to a multiple of the shard group
-            counts["muon_all_gathers"] += 1
-            counts["muon_all_gather_bytes"] += 4 * -(-rows // shards) * shards * cols
+            add(4 * -(-rows // shards) * shards * cols)
     return counts
 
 
@@ -707,8 +713,9 @@ def plan_numbers(cfg: Config, plan: BatchPlan, model: Optional[nn.Module] = None
     if mesh.tp > 1:
         dims.update({key: "tp" for key in TP_COMM_KEYS if not key.endswith("_bytes")})
     if muon:  # whole matrices gathered over the dimensions that cut them
-        dims["muon_all_gathers"] = "tp, then shard" if mesh.tp > 1 and sharded_by_fsdp(cfg) else \
-            "tp" if mesh.tp > 1 else "shard"
+        over = "tp, then shard" if mesh.tp > 1 and sharded_by_fsdp(cfg) else "tp" if mesh.tp > 1 else "shard"
+        for kind in ("gathers", "scatters") if cfg.optim.muon.dist == "owner" else ("all_gathers",):
+            dims[f"muon_{kind}"] = over
     ep = {}
     if mesh.cp > 1:
         dims.update({"cp_sends": "cp", "cp_all_to_alls": "cp"})
@@ -805,10 +812,12 @@ def _muon_lines(cfg: Config, numbers: Dict[str, Any]) -> List[str]:
     if not line:
         return []
     step = numbers["step"] or (numbers.get("pp_stage_groups") or [{}])[0].get("step") or {}
-    over = numbers["comm_dims"].get("muon_all_gathers", "no cut dimension")
-    gathers = ("" if step.get("muon_all_gathers") is None else
-               f"; {step['muon_all_gathers']} all-gathers of whole matrices per optimizer step "
-               f"({_mib(step['muon_all_gather_bytes'])}, muon_all_gathers over {over})")
+    owner = cfg.optim.muon.dist == "owner"
+    key = "muon_gathers" if owner else "muon_all_gathers"
+    over = numbers["comm_dims"].get(key, "no cut dimension")
+    gathers = ("" if step.get(key) is None else
+               f"; {step[key]} {'gathers to an owner and scatters back' if owner else 'all-gathers'} of whole "
+               f"matrices per optimizer step ({_mib(step[key[:-1] + '_bytes'])} each way, {key} over {over})")
     return [f"  optimizer: {line}{gathers}"]
 
 

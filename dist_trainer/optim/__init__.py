@@ -67,7 +67,7 @@ def build_muon(params: List[torch.Tensor], names: List[str], cfg: OptimConfig, l
     # Muon's lr follows the schedule in proportion to optim.lr (set_lr): optim.muon.lr where optim.lr is reached
     groups = [{"params": [p for _, p in muon], "muon": True, "lr": m.lr * (lr / cfg.lr), "lr_of": (m.lr, cfg.lr),
                "weight_decay": cfg.weight_decay, "momentum": m.momentum, "nesterov": m.nesterov,
-               "ns_steps": m.ns_steps, "ns_dtype": m.ns_dtype, "adjust_lr": m.adjust_lr}]
+               "ns_steps": m.ns_steps, "ns_dtype": m.ns_dtype, "adjust_lr": m.adjust_lr, "dist": m.dist}]
     decayed, flat = decay_split([p for _, p in rest])
     groups += [{"params": decayed, "weight_decay": cfg.weight_decay}, {"params": flat, "weight_decay": 0.0}]
     return MuonAdamW([g for g in groups if g["params"]], lr=lr, betas=tuple(cfg.betas), eps=cfg.eps)

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim.adam import adam  # AdamW's own functional update (AdamW is Adam with decoupled decay)
 
@@ -39,7 +40,9 @@ NS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ADJUST_LR = ("original", "match_rms_adamw")
 # Matrices that are not hidden layers: the embeddings (token and position) and the output head, by name.
 DEFAULT_EXCLUDE = ("*emb*", "*wte*", "*wpe*", "*head.weight")
-COMM_KEYS = ("muon_all_gathers", "muon_all_gather_bytes")
+COMM_KEYS = ("muon_all_gathers", "muon_all_gather_bytes", "muon_gathers", "muon_gather_bytes", "muon_scatters",
+             "muon_scatter_bytes")
+DIST = ("gather", "owner")
 
 
 def takes_muon(name: str, param: torch.Tensor, exclude: Sequence[str]) -> bool:
@@ -75,8 +78,9 @@ class MuonAdamW(torch.optim.AdamW):
 
     def __init__(self, groups: List[Dict[str, Any]], lr: float, betas: tuple, eps: float) -> None:
         super().__init__(groups, lr=lr, betas=betas, eps=eps)
-        self.counts = dict.fromkeys(("muon_all_gathers", "muon_all_gather_bytes", "muon_allreduces",
-                                     "muon_allreduce_bytes", "muon_reduce_scatters", "muon_reduce_scatter_bytes"), 0)
+        # the gathers and scatters of owner mode, and what DTensor's counter keeps under this prefix
+        self.counts = dict.fromkeys(COMM_KEYS + ("muon_allreduces", "muon_allreduce_bytes", "muon_reduce_scatters",
+                                                 "muon_reduce_scatter_bytes"), 0)
 
     def comm(self) -> Dict[str, int]:
         return {key: self.counts[key] for key in COMM_KEYS}
@@ -88,6 +92,24 @@ class MuonAdamW(torch.optim.AdamW):
                 self._muon(group)
             else:
                 self._adamw(group)
+
+    def _updates(self, group: Dict[str, Any]) -> List[tuple]:
+        """(parameter, its momentum's update: sharded as the parameter) of each matrix with a gradient, the
+        momentum moved."""
+        momentum, out = group["momentum"], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if "momentum_buffer" not in state:  # sharded like the gradient: its update is element-wise
+                state["momentum_buffer"] = torch.zeros_like(p.grad)
+                # Muon's updates so far: Adam's loading reads a step in every tensor's state (a float32 scalar)
+                state["step"] = torch.tensor(0.0)
+            state["step"] += 1
+            buf = state["momentum_buffer"]
+            buf.lerp_(p.grad, 1 - momentum)
+            out.append((p, p.grad.lerp(buf, momentum) if group["nesterov"] else buf))
+        return out
 
     def _adamw(self, group: Dict[str, Any]) -> None:
         """torch.optim.AdamW's step of one group (its own state initialisation and functional update)."""
@@ -101,20 +123,13 @@ class MuonAdamW(torch.optim.AdamW):
             differentiable=group["differentiable"], fused=group["fused"], decoupled_weight_decay=True)
 
     def _muon(self, group: Dict[str, Any]) -> None:
-        momentum, dtype = group["momentum"], NS_DTYPES[group["ns_dtype"]]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = self.state[p]
-            if "momentum_buffer" not in state:  # sharded like the gradient: its update is element-wise
-                state["momentum_buffer"] = torch.zeros_like(p.grad)
-                # Muon's updates so far: Adam's loading reads a step in every tensor's state (a float32 scalar)
-                state["step"] = torch.tensor(0.0)
-            state["step"] += 1
-            buf = state["momentum_buffer"]
-            buf.lerp_(p.grad, 1 - momentum)
-            update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-            step = self._whole(update, group["ns_steps"], dtype)
+        dtype, steps = NS_DTYPES[group["ns_dtype"]], group["ns_steps"]
+        updates = self._updates(group)
+        if group.get("dist") == "owner":
+            results = owner_orthogonalise([u for _, u in updates], steps, dtype, self.counts)
+        else:
+            results = [self._whole(u, steps, dtype) for _, u in updates]
+        for (p, _), step in zip(updates, results):
             p.mul_(1 - group["lr"] * group["weight_decay"])  # decoupled, with the group's scheduled lr
             p.add_(step, alpha=-adjusted_lr(group["lr"], group["adjust_lr"], p.shape))
 
@@ -127,3 +142,64 @@ class MuonAdamW(torch.optim.AdamW):
         # every rank computed the same whole result: each keeps its slice, no communication (src_data_rank=None)
         return distribute_tensor(orthogonalise(whole, steps, dtype), update.device_mesh, update.placements,
                                  src_data_rank=None)
+
+
+def _cut(update: DTensor) -> tuple:
+    """(the mesh dimension that cuts ``update``, the tensor dimension it cuts): one Shard placement."""
+    mesh = update.device_mesh  # a dimension of one rank cuts nothing (tp's data-parallel dimension of 1)
+    cuts = [(i, placement.dim) for i, placement in enumerate(update.placements)
+            if placement.is_shard() and mesh.size(i) > 1]
+    if len(cuts) != 1:
+        raise ValueError(f"optim.muon.dist=owner: a matrix cut over {len(cuts)} mesh dimensions "
+                         f"({update.placements}); use optim.muon.dist=gather")
+    return cuts[0]
+
+
+def owner_orthogonalise(updates: List[torch.Tensor], steps: int, dtype: torch.dtype,
+                        counts: Dict[str, int]) -> List[torch.Tensor]:
+    """``optim.muon.dist=owner``: each cut matrix gathered on one rank of its group (matrix i on rank i mod the
+    group's size), orthogonalised there, its result scattered back as slices; a whole matrix orthogonalised
+    where it is. Every rank orthogonalises a group-size-th of the cut matrices instead of all of them, for the
+    same bytes (a gather and a scatter of the padded matrix, against one all-gather)."""
+    results: List[Optional[torch.Tensor]] = [None] * len(updates)
+    owned: Dict[int, tuple] = {}  # index -> (the group, the dimension, the gathered padded slices)
+    for i, update in enumerate(updates):
+        if not isinstance(update, DTensor):
+            results[i] = orthogonalise(update, steps, dtype)
+            continue
+        mesh_dim, dim = _cut(update)
+        group = update.device_mesh.get_group(mesh_dim)
+        size, me = dist.get_world_size(group), dist.get_rank(group)
+        owner = i % size
+        mine = _padded(update.to_local(), dim, -(-update.shape[dim] // size))
+        pieces = [torch.empty_like(mine) for _ in range(size)] if me == owner else None
+        dist.gather(mine, pieces, group_dst=owner, group=group)
+        _count(counts, "gather", mine.numel() * mine.element_size() * size)
+        owned[i] = (group, dim, size, me == owner, pieces, mine)
+    for i, (group, dim, size, is_owner, pieces, mine) in owned.items():  # each rank its own matrices' iterations
+        if is_owner:
+            whole = torch.cat(pieces, dim=dim).narrow(dim, 0, updates[i].shape[dim])
+            pieces = list(_padded(orthogonalise(whole, steps, dtype), dim, mine.shape[dim] * size)
+                          .split(mine.shape[dim], dim=dim))
+        piece = torch.empty_like(mine)
+        dist.scatter(piece, [t.contiguous() for t in pieces] if is_owner else None, group_src=i % size, group=group)
+        _count(counts, "scatter", mine.numel() * mine.element_size() * size)
+        local = piece.narrow(dim, 0, updates[i].to_local().shape[dim])  # this rank's rows (or columns), unpadded
+        results[i] = DTensor.from_local(local, updates[i].device_mesh, updates[i].placements,
+                                        shape=updates[i].shape, stride=updates[i].stride())
+    return results
+
+
+def _padded(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    """``t`` zero-padded along ``dim`` to ``length`` (the group's equal slices: the last rank's may be short)."""
+    pad = length - t.shape[dim]
+    if pad == 0:
+        return t.contiguous()
+    shape = list(t.shape)
+    shape[dim] = pad
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+
+def _count(counts: Dict[str, int], kind: str, nbytes: int) -> None:
+    counts[f"muon_{kind}s"] += 1
+    counts[f"muon_{kind}_bytes"] += nbytes
