@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Container, List, Optional
 
 import pytest
 import torch
@@ -224,6 +224,67 @@ def run_module(args: List[str], cwd: Path, timeout: float = 240, torchrun_nproc:
     else:
         cmd = [sys.executable, "-m", "dist_trainer", *args]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+# ------------------------------------------------- recorded steps on real ranks (test_cp.py, test_moe*.py)
+
+import dataclasses  # noqa: E402
+import gc  # noqa: E402
+import traceback  # noqa: E402
+
+from dist_trainer import distributed  # noqa: E402
+from dist_trainer.config import validate  # noqa: E402
+from dist_trainer.data import epoch_batches  # noqa: E402
+from dist_trainer.run import build  # noqa: E402
+
+
+def run_jobs(rank: int, world_size: int, jobs: list, run_job: Callable) -> dict:
+    """A rank function (run_ranks, in_one_process): name -> run_job(env, world_size, name, *rest) for each job
+    (name, *rest) in order, on one DistEnv.
+
+    A job that raises is recorded as {"error": its traceback}, so only its own tests fail (job_record).
+    """
+    env = distributed.init("cpu")
+    results = {}
+    for name, *job in jobs:
+        try:
+            results[name] = run_job(env, world_size, name, *job)
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+        gc.collect()  # the job's DDP or FSDP wrapper and its hooks go before the next job builds its own
+    return results
+
+
+def job_record(results: dict, name: str) -> dict:
+    """run_jobs' record of job ``name``; a job that raised fails the test with its traceback."""
+    rec = results[name]
+    if "error" in rec:
+        pytest.fail(f"job {name} raised:\n{rec['error']}")
+    return rec
+
+
+def record_steps(env, world_size: int, cfg: Config, steps: int, grads_at: Container[int] = (1,),
+                 before: Optional[Callable] = None, after: Optional[Callable] = None) -> dict:
+    """Build cfg's run as dist_trainer.run does and take its first ``steps`` steps; what they did.
+
+    "outcomes": each step's outcome as a dict; "grads": the whole gradients (gathered under fsdp) after each
+    step in ``grads_at``; "params": [the whole weights after the last step]. ``before(parts, plan)`` (called
+    after the build: a run broken on purpose, plan mode's numbers) and ``after(parts)`` return a test's own
+    entries for the record.
+    """
+    from test_fsdp import _named_full  # here, not at the top: test_fsdp imports this module
+
+    plan = validate(cfg, world_size)
+    parts = build(cfg, plan, env)
+    trainer = parts.trainer
+    rec = {"outcomes": [], "grads": [], **(before(parts, plan) if before else {})}
+    batches = epoch_batches(parts.train_set, parts.step_plan, 0, 0, 0, False)
+    for step, (window, micro_batches) in zip(range(1, steps + 1), batches):
+        rec["outcomes"].append(dataclasses.asdict(trainer.train_step(micro_batches, window, step)))
+        if step in grads_at:
+            rec["grads"].append(_named_full(trainer.module, grads=True))
+    rec["params"] = [_named_full(trainer.module, grads=False)]
+    return {**rec, **(after(parts) if after else {})}
 
 
 # ------------------------------------------------- checkpoint tests (test_checkpoint.py)

@@ -21,9 +21,7 @@ the cut, and each cp rank's mean loss weighted alike.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import itertools
-import traceback
 
 import pytest
 import torch
@@ -31,16 +29,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import Subset
 
-from dist_trainer import distributed
 from dist_trainer.config import ConfigError, CPConfig, validate
-from dist_trainer.data import epoch_batches
 from dist_trainer.data.builtin import char_text
 from dist_trainer.parallel.cp import CPCounter, CPGroup, _RingAttention, positions, ulysses_attention
 from dist_trainer.plan import plan_numbers
-from dist_trainer.run import build
-from helpers import SCALE_TOL, assert_all_close_scaled, assert_close_scaled, run_ranks, scaled_error
+from helpers import (SCALE_TOL, assert_all_close_scaled, assert_close_scaled, record_steps, run_jobs, run_ranks,
+                     scaled_error)
+from helpers import job_record as _rec
 from test_accumulation import _assert_close, _token_length, gpt_config, in_one_process, launch_clean
-from test_fsdp import _named_full
 
 STEPS, GLOBAL = 3, 8
 MODEL = {"vocab_size": 256, "block_size": 24, "n_layer": 2, "n_head": 2, "n_embd": 16, "dropout": 0.0, "bias": False}
@@ -228,51 +224,32 @@ def _weigh_rank_means_alike(model, cp: int) -> None:
 
 
 def _run_job(env, world_size: int, name: str, cfg) -> dict:
-    """Each step's outcome, whole gradients of step 1, whole weights after the last step."""
-    plan = validate(cfg, world_size)
-    parts = build(cfg, plan, env)
-    trainer, module = parts.trainer, parts.trainer.module
-    if name.endswith("local") and world_size > 1:  # each rank attends over its own tokens only
+    """Each step's outcome, whole gradients of step 1, whole weights after the last step, plan mode's numbers."""
+    def before(parts, plan) -> dict:
+        if world_size > 1:
+            _break_on_purpose(name, parts, world_size)
+        return {"plan": plan_numbers(cfg, plan)}
+    return record_steps(env, world_size, cfg, STEPS, before=before)
+
+
+def _break_on_purpose(name: str, parts, cp: int) -> None:
+    """The CONTROLS' faults, on the cp ranks."""
+    module = parts.trainer.module
+    if name.endswith("local"):  # each rank attends over its own tokens only
         for block in module.blocks:
             block.attn.context = lambda q, k, v, scale=None: F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    if name.endswith("shift-after-cut") and world_size > 1:  # the model shifts each rank's ids into labels
-        trainer.strategy.cp.targets = None
-    if name.endswith("per-rank-mean") and world_size > 1:
-        _weigh_rank_means_alike(module, world_size)
-    rec = {"outcomes": [], "grads": [], "params": [], "plan": plan_numbers(cfg, plan)}
-    for step, (window, micro_batches) in zip(range(1, STEPS + 1),
-                                             epoch_batches(parts.train_set, parts.step_plan, 0, 0, 0, False)):
-        rec["outcomes"].append(dataclasses.asdict(trainer.train_step(micro_batches, window, step)))
-        if step == 1:
-            rec["grads"].append(_named_full(module, grads=True))
-    rec["params"].append(_named_full(module, grads=False))
-    return rec
-
-
-def _worker(rank: int, world_size: int, jobs: list[tuple]) -> dict:
-    env = distributed.init("cpu")
-    results = {}
-    for name, cfg in jobs:
-        try:
-            results[name] = _run_job(env, world_size, name, cfg)
-        except Exception:
-            results[name] = {"error": traceback.format_exc()}
-        gc.collect()
-    return results
+    if name.endswith("shift-after-cut"):  # the model shifts each rank's ids into labels
+        parts.trainer.strategy.cp.targets = None
+    if name.endswith("per-rank-mean"):
+        _weigh_rank_means_alike(module, cp)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    one = in_one_process(_worker, list(REFS.items()))
-    two = launch_clean(_worker, 2, tmp_path_factory.mktemp("cp2"), [(n, c) for n, (c, _) in CASES.items()])
+    one = in_one_process(run_jobs, list(REFS.items()), _run_job)
+    two = launch_clean(run_jobs, 2, tmp_path_factory.mktemp("cp2"), [(n, c) for n, (c, _) in CASES.items()],
+                       _run_job)
     return one, two
-
-
-def _rec(results: dict, name: str) -> dict:
-    rec = results[name]
-    if "error" in rec:
-        pytest.fail(f"job {name} raised:\n{rec['error']}")
-    return rec
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if n not in CONTROLS])
@@ -317,8 +294,8 @@ TIED = {"head.weight": "tok_emb.weight"}
 
 @pytest.fixture(scope="module")
 def runs4(runs, tmp_path_factory):
-    return runs[0], launch_clean(_worker, 4, tmp_path_factory.mktemp("cp2tp2"),
-                                 [(n, c) for n, (c, _) in CASES4.items()])
+    return runs[0], launch_clean(run_jobs, 4, tmp_path_factory.mktemp("cp2tp2"),
+                                 [(n, c) for n, (c, _) in CASES4.items()], _run_job)
 
 
 @pytest.mark.slow  # 4 ranks on 2 cores

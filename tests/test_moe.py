@@ -18,24 +18,19 @@ the aux and z values within SCALE_TOL of their scale, for:
 from __future__ import annotations
 
 import dataclasses
-import gc
 import math
-import traceback
 
 import pytest
 import torch
 from torch.utils.data import Subset
 
-from dist_trainer import distributed
 from dist_trainer.config import ConfigError, validate
-from dist_trainer.data import epoch_batches
 from dist_trainer.models import GPT
 from dist_trainer.parallel.state import local_tensor
-from dist_trainer.run import build
-from helpers import SCALE_TOL, scaled_error
+from helpers import SCALE_TOL, record_steps, run_jobs, scaled_error
+from helpers import job_record as _rec  # by this name test_moe_tp and test_moe_pp import it from here
 from test_accumulation import GLOBAL, GPT_KW, _assert_close, gpt_config, in_one_process, launch_clean, \
     unbalanced_text
-from test_fsdp import _named_full
 
 STEPS = 3
 MOE = {"num_experts": 4, "top_k": 2, "shared_experts": 0, "hidden": 24, "router": "softmax", "norm_topk": True,
@@ -100,32 +95,20 @@ def _jobs(world: int) -> list[tuple]:
             ("short/2x4x4", _short(moe_config(4)), STEPS + 1)]
 
 
-def _run_job(env, world_size: int, cfg, steps: int) -> dict:
-    """Each step's outcome, whole gradients and weights (gathered under fsdp), and the selection biases."""
-    parts = build(cfg, validate(cfg, world_size), env)
-    trainer, module = parts.trainer, parts.trainer.module
-    rec = {"outcomes": [], "grads": [], "params": []}
-    for step, (window, micro_batches) in zip(range(1, steps + 1),
-                                             epoch_batches(parts.train_set, parts.step_plan, 0, 0, 0, False)):
-        rec["outcomes"].append(dataclasses.asdict(trainer.train_step(micro_batches, window, step)))
-        rec["grads"].append(_named_full(module, grads=True))
-        rec["params"].append(_named_full(module, grads=False))
+def _run_job(env, world_size: int, name: str, cfg, steps: int) -> dict:
+    """Each step's outcome and whole gradients, the whole weights after the last step, and the selection biases."""
+    return record_steps(env, world_size, cfg, steps, grads_at=range(1, steps + 1), after=_biases)
+
+
+def _biases(parts) -> dict:
     # Buffers are whole on every rank (fsdp replicates them).
-    rec["biases"] = {name: local_tensor(b).clone() for name, b in module.named_buffers()
-                     if name.endswith("e_score_correction_bias")}
-    return rec
+    return {"biases": {name: local_tensor(b).clone() for name, b in parts.trainer.module.named_buffers()
+                       if name.endswith("e_score_correction_bias")}}
 
 
 def _worker(rank: int, world_size: int, jobs: list[tuple]) -> dict:
-    env = distributed.init("cpu")
-    results = {}
-    for name, cfg, steps in jobs:
-        try:
-            results[name] = _run_job(env, world_size, cfg, steps)
-        except Exception:
-            results[name] = {"error": traceback.format_exc()}
-        gc.collect()
-    return results
+    """Jobs (name, config, steps) on one rank; test_moe_tp and test_moe_pp launch it with their own configs."""
+    return run_jobs(rank, world_size, jobs, _run_job)
 
 
 @pytest.fixture(scope="module")
@@ -133,13 +116,6 @@ def runs(tmp_path_factory):
     one = in_one_process(_worker, _jobs(1))
     two = launch_clean(_worker, 2, tmp_path_factory.mktemp("moe2"), _jobs(2))
     return one, two
-
-
-def _rec(results: dict, name: str) -> dict:
-    rec = results[name]
-    if "error" in rec:
-        pytest.fail(f"job {name} raised:\n{rec['error']}")
-    return rec
 
 
 def _assert_same_run(got: dict, ref: dict, what: str) -> None:

@@ -18,21 +18,16 @@ each expert once (the clipped runs equal the reference).
 from __future__ import annotations
 
 import dataclasses
-import gc
 import shutil
-import traceback
 
 import pytest
 
-from dist_trainer import distributed
 from dist_trainer.config import ConfigError, EPConfig, validate
-from dist_trainer.data import epoch_batches
 from dist_trainer.moe.ep import expert_params
 from dist_trainer.plan import plan_numbers
-from dist_trainer.run import build
-from helpers import SCALE_TOL, scaled_error
+from helpers import SCALE_TOL, record_steps, run_jobs, scaled_error
+from helpers import job_record as _rec
 from test_accumulation import _assert_close, gpt_config, in_one_process, launch_clean
-from test_fsdp import _named_full
 
 STEPS, GLOBAL = 3, 8
 MODEL = {"vocab_size": 256, "block_size": 24, "n_layer": 2, "n_head": 2, "n_embd": 32, "dropout": 0.0,
@@ -65,47 +60,21 @@ def _jobs(world: int) -> list[tuple]:
 
 
 def _run_job(env, world_size: int, name: str, cfg) -> dict:
-    """Each step's outcome, whole gradients and weights (experts gathered from their slices), plan mode's numbers."""
-    plan = validate(cfg, world_size)
-    parts = build(cfg, plan, env)
-    trainer, module = parts.trainer, parts.trainer.module
-    if name.endswith("broken"):  # the bug of pytorch#160285: divided by the ranks holding the same experts
-        trainer.strategy.ep.data_ranks = plan.mesh.expert_data_ranks
-    rec = {"outcomes": [], "grads": [], "params": [], "plan": plan_numbers(cfg, plan),
-           "expert_shapes": {tuple(p.to_local().shape) for p in expert_params(module) if hasattr(p, "to_local")}}
-    for step, (window, micro_batches) in zip(range(1, STEPS + 1),
-                                             epoch_batches(parts.train_set, parts.step_plan, 0, 0, 0, False)):
-        rec["outcomes"].append(dataclasses.asdict(trainer.train_step(micro_batches, window, step)))
-        if step == 1:
-            rec["grads"].append(_named_full(module, grads=True))
-    rec["params"].append(_named_full(module, grads=False))
-    return rec
-
-
-def _worker(rank: int, world_size: int, jobs: list[tuple]) -> dict:
-    env = distributed.init("cpu")
-    results = {}
-    for name, cfg in jobs:
-        try:
-            results[name] = _run_job(env, world_size, name, cfg)
-        except Exception:
-            results[name] = {"error": traceback.format_exc()}
-        gc.collect()
-    return results
+    """Each step's outcome, whole gradients of step 1 and weights after the last step (experts gathered from their
+    slices), plan mode's numbers and the shapes of this rank's expert slices."""
+    def before(parts, plan) -> dict:
+        if name.endswith("broken"):  # the bug of pytorch#160285: divided by the ranks holding the same experts
+            parts.trainer.strategy.ep.data_ranks = plan.mesh.expert_data_ranks
+        return {"plan": plan_numbers(cfg, plan), "expert_shapes": {
+            tuple(p.to_local().shape) for p in expert_params(parts.trainer.module) if hasattr(p, "to_local")}}
+    return record_steps(env, world_size, cfg, STEPS, before=before)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    one = in_one_process(_worker, _jobs(1))
-    two = launch_clean(_worker, 2, tmp_path_factory.mktemp("ep2"), _jobs(2))
+    one = in_one_process(run_jobs, _jobs(1), _run_job)
+    two = launch_clean(run_jobs, 2, tmp_path_factory.mktemp("ep2"), _jobs(2), _run_job)
     return one, two
-
-
-def _rec(results: dict, name: str) -> dict:
-    rec = results[name]
-    if "error" in rec:
-        pytest.fail(f"job {name} raised:\n{rec['error']}")
-    return rec
 
 
 def _errors(got: dict, ref: dict) -> tuple[float, float]:
@@ -254,11 +223,11 @@ def test_checkpoint_resumes_across_ep_degrees(tmp_path):
 
 @pytest.fixture(scope="module")
 def runs4(tmp_path_factory):
-    one = in_one_process(_worker, _jobs(1)[:1] + [("shared0/clip/ref", ep_config(GLOBAL, clip=True))])
+    one = in_one_process(run_jobs, _jobs(1)[:1] + [("shared0/clip/ref", ep_config(GLOBAL, clip=True))], _run_job)
     hsdp = ep_config(1, 2, "fsdp", clip=True)  # 2 replicas x shard groups of 2; ep 2 within each replica
     hsdp.dist.fsdp = dataclasses.replace(hsdp.dist.fsdp, shard_size=2)
     jobs = [("shared0/ddp4", ep_config(2, 2)), ("shared0/fsdp4", ep_config(1, 2, "fsdp")), ("shared0/hsdp4", hsdp)]
-    return one, launch_clean(_worker, 4, tmp_path_factory.mktemp("ep4"), jobs)
+    return one, launch_clean(run_jobs, 4, tmp_path_factory.mktemp("ep4"), jobs, _run_job)
 
 
 @pytest.mark.slow  # 4 ranks on 2 cores
