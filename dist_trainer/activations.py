@@ -88,20 +88,28 @@ class _ShapesOnly:
 
 def predicted_bytes(cfg: Config, plan: BatchPlan, precision: Any) -> Optional[int]:
     """``saved_bytes`` of one micro-batch's forward on a rank, on fake tensors; None where plan mode cannot run the
-    rank's forward alone (tensor-parallel or pipeline-stage ranks: DTensors and stages; ``auto`` micro-batches)."""
+    rank's forward alone (tensor-parallel or pipeline-stage ranks: DTensors and stages; ``auto`` micro-batches),
+    or cannot run it on fake tensors: MoE layers (how many tokens an expert gets is data: fake tensors have no
+    shape for it) and models other than the built-in GPT and Hugging Face decoders (their forward is unknown)."""
     from torch._subclasses.fake_tensor import FakeTensorMode  # torch's own tracer (torch.compile's, export's)
 
     from .parallel.blocks import checkpoint_blocks, find_blocks
     from .parallel.cp import _RingAttention, padded_length, ulysses_attention
 
+    from .config import CP_MODELS
+    from .moe.routing import routing_of
+
     mesh = plan.mesh
-    if mesh.tp > 1 or mesh.pp > 1 or cfg.batch.micro_batch_size == "auto":
+    if mesh.tp > 1 or mesh.pp > 1 or cfg.batch.micro_batch_size == "auto" or cfg.model.get("_target_") not in \
+            CP_MODELS or cfg.model.get("task", "causal_lm") != "causal_lm":
         return None
     length = cfg.data.get("block_size") or cfg.model.get("block_size")
     if not length:
         return None
     with torch.device("meta"):  # built and cast as the strategy holds it (FakeTensor parameters cannot be cast)
         model = precision.prepare(instantiate(cfg.model, _convert_="all"))
+    if routing_of(model).layers:
+        return None
     with FakeTensorMode():
         _fake_cpu(model)
         blocks = find_blocks(model, cfg.dist.blocks) if cfg.dist.activation_checkpointing else []

@@ -2,8 +2,8 @@
 on a rank) against the same measure of a real rank's forward, on 2 gloo ranks.
 
 The built-in GPT on 8 sequences of 24 tokens a micro-batch (test_accumulation's data) under ddp (cp 1), context
-parallelism at cp 2 (ring zig-zag and contiguous, Ulysses; fp32, bf16 autocast and bf16 weights; with activation checkpointing,
-which keeps the blocks' inputs instead), the chunked loss with and without cp, and a tiny llama at cp 2: each
+parallelism at cp 2 (ring zig-zag and contiguous, Ulysses; fp32, bf16 autocast and bf16 weights; with activation
+checkpointing, which keeps the blocks' inputs instead), the chunked loss with and without cp, and a tiny llama at cp 2: each
 rank's measured bytes equal the prediction exactly (the same forward on fake tensors at the rank's shape; the
 llama at cp 1 within 1.1x above, see UPPER_BOUND; bf16 weights within 1 %, see CLOSE), cp 2
 keeps between 0.45 and 0.55 of cp 1's (1/cp but the few per-sequence tensors), and the chunked loss keeps less than
