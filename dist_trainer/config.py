@@ -822,7 +822,7 @@ def _validate_ep(cfg: Config, mesh: MeshShape) -> None:
            "experts' FP32 masters would be whole): use a *-mixed precision, or dist.strategy=fsdp")
 
 
-# Models whose loss the framework computes from the logits they return (models.hf): model.loss does not reach it.
+# The Hugging Face builder (models.hf): model.loss reaches it as it reaches the GPT; its chunks are a causal LM's.
 HF_MODELS = ("dist_trainer.models.hf.hf_model", "dist_trainer.hf.models.hf_model")
 
 
@@ -841,9 +841,11 @@ def _validate_muon(o: OptimConfig) -> None:
 
 
 def _validate_loss(cfg: Config, mesh: MeshShape) -> None:
-    """``model.loss`` (the built-in GPT's): its keys, and ``chunked`` refused where the chunks would not be exact.
+    """``model.loss`` (the built-in GPT's, a Hugging Face causal LM's): its keys, and ``chunked`` refused where
+    the chunks would not be exact.
 
-    The chunked loss runs in the model's own forward, reading the head's weight whole (``models/loss.py``).
+    The chunked loss runs in the model's own forward, reading the head's weight whole (``models/loss.py``). A
+    Hugging Face family whose head is more than a bias-free linear map is refused when it is built (models.hf).
     """
     loss = cfg.model.get("loss")
     if not isinstance(loss, dict):
@@ -853,8 +855,8 @@ def _validate_loss(cfg: Config, mesh: MeshShape) -> None:
     if not LossOptions.from_dict(loss).chunked:
         return
     key, fix = "model.loss.chunked", "set model.loss.chunked=false"
-    _check(cfg.model.get("_target_") not in HF_MODELS, key, True, "is the built-in GPT's; the framework computes "
-           f"a Hugging Face model's loss from the logits it returns: {fix}")
+    _check(cfg.model.get("_target_") not in HF_MODELS or cfg.model.get("task", "causal_lm") == "causal_lm", key,
+           True, f"is for causal LMs (model=hf_causal_lm); a masked LM's head transforms the hidden states: {fix}")
     # Under tp the chunks are computed on each rank's slice of the vocabulary, the layout loss_parallel gives.
     _check(mesh.tp == 1 or cfg.dist.tp.loss_parallel, key, True, f"with dist.tp.size={mesh.tp} computes each "
            "chunk's cross-entropy on the ranks' vocabulary slices, which dist.tp.loss_parallel=false gathers "

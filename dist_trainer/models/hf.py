@@ -14,6 +14,11 @@ A mixture-of-experts model (qwen3_moe, mixtral, olmoe, deepseek_v3, qwen2_moe)
 runs through the project's MoE layer (``moe.hf``): its balancing terms are
 ``model.moe``'s, counted over the same tokens as the loss, and transformers'
 own router loss is never computed, so nothing counts twice.
+
+``model.loss.chunked`` (a causal LM): the decoder body runs to its final norm's output and the head and the
+cross-entropy run ``chunk_tokens`` tokens at a time (``models/loss.py``), so the ``[tokens, vocab]`` logits never
+exist whole; the same loss, from the same targets. Only where that is exact: a family whose head is more than a
+bias-free linear map of that output (soft-capped or scaled logits, a bias) is refused when it is built.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from torch import nn
 from ..config import ConfigError
 from ..moe import Routing, inactive_params
 from ..moe.hf import swap_moe_blocks
+from .loss import LossOptions, chunked_loss_terms
 
 IGNORE_INDEX = -100
 TASKS = {"causal_lm": "AutoModelForCausalLM", "masked_lm": "AutoModelForMaskedLM"}
@@ -41,6 +47,12 @@ WHOLE_PROJECTION_STYLES = ("colwise_gather_output", "rowwise_split_input")
 MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
 # The attention function context parallelism registers with transformers (HFModel.attend_through_context).
 CONTEXT_ATTENTION = "dist_trainer_context"
+# The configuration values by which transformers' causal LMs (5.x) change the head's logits before the loss, found
+# in their forward: soft-caps (tanh; any value changes the logits) and multipliers (1: none). A set one refuses
+# model.loss.chunked, whose chunks are the head's plain product.
+LOGIT_CAPS = ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap")  # gemma2/3, recurrent_gemma, xlstm
+LOGIT_SCALES = ("logit_scale", "logits_scaling", "lm_head_multiplier", "logits_mup_width_multiplier",
+                "output_multiplier")  # cohere, granite, falcon_h1, inkling (on the head's input), muse
 
 
 class HFModel(nn.Module):
@@ -56,9 +68,13 @@ class HFModel(nn.Module):
 
     def __init__(self, model: nn.Module, task: str, tokenizer: Optional[str] = None,
                  block_size: Optional[int] = None, chat_template: Optional[str] = None,
-                 routing: Optional[Routing] = None):
+                 routing: Optional[Routing] = None, loss: LossOptions = LossOptions()):
         super().__init__()
         self.model = model
+        self.loss_options = loss  # model.loss: chunked (hf_model checked the head), chunk_tokens
+        # The head, by name: a pipeline's last stage has no input embedding, where get_output_embeddings finds none.
+        head = model.get_output_embeddings() if loss.chunked else None
+        self._head_name = next((name for name, m in model.named_modules() if m is head), None)
         # The MoE layers' routing statistics and balancing terms (moe.routing_of finds it); None: a dense model.
         self.routing = routing
         self.task = task
@@ -155,7 +171,11 @@ class HFModel(nn.Module):
             out = block(x, attention_mask=masks[types[index] if types else "full_attention"],
                         position_ids=positions, position_embeddings=rotary, use_cache=False)
             x = out[0] if isinstance(out, tuple) else out
-        return self.model.lm_head(base.norm(x)) if last else x
+        if not last:
+            return x
+        if self.loss_options.chunked:  # the summed loss ([1]), not the logits: the chunks run inside the stage
+            return self.head_loss(base.norm(x), side["targets"])["loss_sum"].reshape(1)
+        return self.model.lm_head(base.norm(x))
 
     @staticmethod
     def loss_terms(logits: torch.Tensor, targets: torch.Tensor) -> Dict[str, torch.Tensor]:
@@ -166,11 +186,26 @@ class HFModel(nn.Module):
         if self.routing is not None:  # the positions the balancing terms count: exactly those the loss counts
             targets = self.stage_targets(batch) if self.task == "causal_lm" else self._labels(batch)
             self.routing.token_mask = targets != IGNORE_INDEX
+        if self.loss_options.chunked:  # a causal LM's body to its final norm, then the head a chunk at a time
+            body = getattr(self._causal_lm, self._causal_lm.base_model_prefix)
+            hidden = body(**inputs, **self._call_kwargs).last_hidden_state
+            return self.head_loss(hidden, self.stage_targets(batch))
         logits = self.model(**inputs, **self._call_kwargs).logits
         labels = self._labels(batch)
         if self.task == "causal_lm" and "targets" not in batch:
             logits, labels = logits[:, :-1], labels[:, 1:]  # position t predicts token t + 1
         return token_loss(logits, labels)
+
+    def head_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """``loss_terms`` of the head's logits of ``hidden`` (the final norm's output), ``chunk_tokens`` rows at a
+        time: the head's weight read directly (whole, or a DTensor cut over the vocabulary under tp)."""
+        weight = self.model.get_submodule(self._head_name).weight
+        return chunked_loss_terms(hidden, weight, targets, self.loss_options.chunk_tokens)
+
+    @property
+    def _causal_lm(self) -> nn.Module:
+        """The transformers ``*ForCausalLM`` (under a peft model's wrapper, its base: the adapters sit inside)."""
+        return self.model.get_base_model() if hasattr(self.model, "peft_config") else self.model
 
     def _labels(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         if "targets" in batch:
@@ -293,7 +328,7 @@ def hf_model(task: str = "causal_lm", model_type: Optional[str] = None, config: 
              pretrained: Optional[str] = None, tokenizer: Optional[str] = None, block_size: Optional[int] = None,
              attn_implementation: Optional[str] = "sdpa", chat_template: Optional[str] = None,
              lora: Optional[Dict[str, Any]] = None, load_weights: bool = True,
-             moe: Optional[Dict[str, Any]] = None) -> HFModel:
+             moe: Optional[Dict[str, Any]] = None, loss: Optional[Dict[str, Any]] = None) -> HFModel:
     """Build the model: from ``model_type`` and ``config`` (random weights), or from a local ``pretrained`` dir.
 
     A mixture-of-experts model's sparse blocks become the project's MoE layer on the same tensors, with
@@ -302,8 +337,10 @@ def hf_model(task: str = "causal_lm", model_type: Optional[str] = None, config: 
     ``model.config.vocab_size`` (and the eos and pad ids) follow ``tokenizer``
     (the data's, with the tokens ``chat_template`` adds for data=hf_chat)
     unless ``config`` sets them; ``block_size`` (the data's) must fit the
-    model's positions.
+    model's positions. ``loss`` (``model.loss``): ``chunked`` computes a causal LM's head and loss chunk by
+    chunk, refused (a ConfigError) for a head that is not a bias-free linear map of the final norm's output.
     """
+    loss_options = LossOptions.from_dict(loss)
     if task not in TASKS:
         raise ConfigError(f"model.task={task!r}: choose one of {sorted(TASKS)}")
     try:
@@ -348,7 +385,36 @@ def hf_model(task: str = "causal_lm", model_type: Optional[str] = None, config: 
     routing = swap_moe_blocks(model, moe)
     if lora and lora.get("r"):
         model = with_lora(model, task, **lora, new_tokens=added)
-    return HFModel(model, task, tokenizer, block_size, chat_template, routing)
+    if loss_options.chunked:
+        _check_plain_head(model, task)
+    return HFModel(model, task, tokenizer, block_size, chat_template, routing, loss_options)
+
+
+def _check_plain_head(model: nn.Module, task: str) -> None:
+    """A ConfigError unless the logits are the head's bias-free product with the body's last hidden state (after
+    its final norm), as the chunks compute them: a causal LM, a plain ``nn.Linear`` head (not a peft wrapper) with
+    no bias, and none of the configuration values by which a family caps or scales its logits."""
+    lm = model.get_base_model() if hasattr(model, "peft_config") else model
+    name = f"{type(lm).__name__} ({lm.config.model_type})"
+    head = lm.get_output_embeddings()
+    problem = None
+    if task != "causal_lm":
+        problem = "is for causal LMs (model=hf_causal_lm); a masked LM's head transforms the hidden states first"
+    elif not hasattr(lm, lm.base_model_prefix or "-"):
+        problem = f"needs the decoder body apart from its head; {name} has none"
+    elif type(head) is not nn.Linear:  # a subclass, or a peft wrapper (modules_to_save, new rows), computes more
+        problem = f"needs a plain linear head; {name}'s is {type(head).__name__}"
+    elif head.bias is not None:
+        problem = f"computes the head without a bias; {name}'s head has one"
+    else:
+        text = lm.config.get_text_config()
+        caps = [f"{k}={getattr(text, k)}" for k in LOGIT_CAPS if getattr(text, k, None) is not None]
+        scales = [f"{k}={getattr(text, k)}" for k in LOGIT_SCALES if getattr(text, k, None) not in (None, 1, 1.0)]
+        if caps or scales:
+            problem = (f"computes the head's plain logits; {name} changes them ({', '.join(caps + scales)}) "
+                       "before its loss")
+    if problem:
+        raise ConfigError(f"model.loss.chunked=True: {problem}: set model.loss.chunked=false")
 
 
 def with_lora(model: nn.Module, task: str, r: int, alpha: float = 16, dropout: float = 0.0,
