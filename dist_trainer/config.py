@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Tuple
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-master", "fp16-master")
-OPTIMIZERS = ("adamw", "sgd", "muon")
+OPTIMIZERS = ("adamw", "sgd", "muon", "adafactor")
 LR_SCALINGS = ("none", "linear", "sqrt")
 SCHEDULES = ("constant", "cosine")
 NONFINITE_POLICIES = ("stop", "skip")
@@ -100,6 +100,8 @@ class OptimConfig:
     # true/false forces fused on or off (fused on CPU: 3x faster steps, rounding-level differences).
     fused: Optional[bool] = None
     muon: MuonConfig = field(default_factory=MuonConfig)
+    # AdamW's moments between steps: fp32 (8 bytes a parameter) or bf16 (4; updated in FP32, stored rounded)
+    state_dtype: str = "fp32"
 
 
 @dataclass
@@ -636,6 +638,9 @@ def _validate_values(cfg: Config) -> None:
     _check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
     _check(o.grad_clip is None or o.grad_clip > 0, "optim.grad_clip", o.grad_clip, "must be > 0 or null")
     _validate_muon(o)
+    _check(o.state_dtype in ("fp32", "bf16"), "optim.state_dtype", o.state_dtype, "choose fp32 or bf16")
+    _check(o.state_dtype == "fp32" or o.name == "adamw", "optim.state_dtype", o.state_dtype,
+           f"is AdamW's (optim.name=adamw); optim.name={o.name} keeps its state in FP32: set optim.state_dtype=fp32")
     _check(t.max_steps >= 1, "trainer.max_steps", t.max_steps, "must be >= 1")
     _check(isinstance(t.compile, bool), "trainer.compile", t.compile, "must be true or false")
     _check(t.log_every >= 1, "trainer.log_every", t.log_every, "must be >= 1")
@@ -993,6 +998,12 @@ def validate(cfg: Config, world_size: int, local_world_size: Optional[int] = Non
     _validate_ep(cfg, mesh)
     _validate_cp(cfg, mesh)
     _validate_loss(cfg, mesh)
+    if cfg.optim.name == "adafactor":  # torch's steps plain tensors: its in-place norms fail on DTensor shards
+        cut = [f"dist.strategy={cfg.dist.strategy}"] if mesh.kind != "ddp" else []
+        cut += [f"dist.{k}.size={n}" for k, n in (("tp", mesh.tp), ("ep", mesh.ep)) if n > 1]
+        _check(not cut, "optim.name", "adafactor", f"steps whole tensors, and {' and '.join(cut)} cuts them into "
+               "DTensor slices, which torch's Adafactor cannot step: use dist.strategy=ddp (pipeline stages too), "
+               "or optim.name=adamw with optim.state_dtype=bf16 for less state")
     if cfg.optim.name == "muon" and cfg.optim.muon.dist == "owner":  # owner gathers over one cut dimension
         _check(mesh.tp == 1 or mesh.kind == "ddp", "optim.muon.dist", "owner", f"cuts a matrix over one mesh "
                f"dimension, and dist.strategy={cfg.dist.strategy} with dist.tp.size={mesh.tp} cuts over two: set "

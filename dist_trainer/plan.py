@@ -549,12 +549,19 @@ def first_step_comm(counts: Dict[str, int]) -> Dict[str, int]:
             "step_allreduce_bytes": counts["step_allreduce_bytes"] + 8 + 16}
 
 
-def _optimizer_state_elements(cfg: Config, sizes: List[int], muon: List[bool]) -> int:
-    """FP32 elements of optimizer state for tensors of ``sizes`` elements each; ``muon``: which Muon steps."""
-    if cfg.optim.name == "sgd":
-        return sum(sizes) if cfg.optim.momentum > 0 else 0  # SGD's momentum buffer
-    # AdamW: exp_avg, exp_avg_sq and one scalar step a tensor; Muon (optim.name=muon): its momentum and step
-    return sum(n + 1 if m else 2 * n + 1 for n, m in zip(sizes, muon))
+def _optimizer_state_elements(cfg: Config, sizes: List[int], muon: List[bool],
+                              shapes: Optional[List[torch.Size]] = None) -> int:
+    """FP32 elements (4-byte units) of optimizer state for tensors of ``sizes`` elements each on a rank;
+    ``muon``: which Muon steps; ``shapes``: the tensors' whole shapes (Adafactor's factors)."""
+    o = cfg.optim
+    if o.name == "sgd":
+        return sum(sizes) if o.momentum > 0 else 0  # SGD's momentum buffer
+    if o.name == "adafactor":  # a matrix's row and column means (of its last two dimensions), a vector's variance
+        return sum((math.prod(s[:-2]) * (s[-2] + s[-1]) if len(s) >= 2 else n) + 1 for n, s in zip(sizes, shapes))
+    # AdamW: exp_avg, exp_avg_sq (two bf16 in 4 bytes under optim.state_dtype=bf16) and one scalar step a tensor;
+    # Muon (optim.name=muon): its momentum and step
+    moments = 1 if o.state_dtype == "bf16" else 2
+    return sum(n + 1 if m else moments * n + 1 for n, m in zip(sizes, muon))
 
 
 def muon_ids(cfg: Config, model: nn.Module) -> set:
@@ -581,18 +588,19 @@ def expected_state_bytes(cfg: Config, params: List[torch.Tensor], shard: int,
     is_muon = [id(p) in muon for p in params]
     if sharded_by_fsdp(cfg):
         sizes = [shard_elements(p, shard, cut.get(id(p))) for p in params]
-        return 4 * (2 * sum(sizes) + _optimizer_state_elements(cfg, sizes, is_muon))
+        return 4 * (2 * sum(sizes) + _optimizer_state_elements(cfg, sizes, is_muon, [p.shape for p in params]))
     sizes = [p.numel() for p in params]
     own = 2 * sum(p.numel() * p.element_size() for p in params)  # parameters and their gradients
     masters = 2 * 4 * sum(sizes) if cfg.precision.name.endswith("-master") else 0
-    return own + masters + 4 * _optimizer_state_elements(cfg, sizes, is_muon)
+    return own + masters + 4 * _optimizer_state_elements(cfg, sizes, is_muon, [p.shape for p in params])
 
 
 def expert_state_bytes(cfg: Config, experts: List[torch.Tensor], ep: int, edp: int = 1) -> int:
     """State of a rank's expert slices (FP32 parameter, gradient, optimizer state): 1/ep of each, and its padded
     shard of that over ``edp`` ranks where FSDP cuts it again."""
     sizes = [shard_elements(p, edp, _slice(p, ep)) for p in experts]  # 3-D: never Muon's
-    return 4 * (2 * sum(sizes) + _optimizer_state_elements(cfg, sizes, [False] * len(sizes)))
+    return 4 * (2 * sum(sizes) + _optimizer_state_elements(cfg, sizes, [False] * len(sizes),
+                                                           [p.shape for p in experts]))
 
 
 def expected_staging_bytes(cfg: Config, params: List[torch.Tensor], buffer_bytes: int, shard: int,
@@ -610,7 +618,8 @@ def expected_staging_bytes(cfg: Config, params: List[torch.Tensor], buffer_bytes
         sizes = [shard_elements(p, shard, cut.get(id(p))) for p in params]
     else:
         sizes = [p.numel() for p in params]
-    return 4 * (sum(sizes) + _optimizer_state_elements(cfg, sizes, [id(p) in muon for p in params])) + buffer_bytes
+    state = _optimizer_state_elements(cfg, sizes, [id(p) in muon for p in params], [p.shape for p in params])
+    return 4 * (sum(sizes) + state) + buffer_bytes
 
 
 def persistent_buffer_bytes(model: nn.Module) -> int:

@@ -16,7 +16,8 @@ def decay_split(params: List[torch.Tensor]) -> tuple[List[torch.Tensor], List[to
 
 def build_optimizer(params: List[torch.Tensor], cfg: OptimConfig, lr: float,
                     names: Optional[List[str]] = None) -> torch.optim.Optimizer:
-    """AdamW, SGD or Muon (with AdamW) over FP32 tensors; weight decay only on matrices and embeddings.
+    """AdamW (FP32 or bf16 state), SGD, Adafactor or Muon (with AdamW) over FP32 tensors; weight decay only on
+    matrices and embeddings.
     ``names``: the parameters' (Muon takes the hidden matrices by name)."""
     if cfg.name == "muon":
         return build_muon(params, names or [], cfg, lr)
@@ -28,8 +29,14 @@ def build_optimizer(params: List[torch.Tensor], cfg: OptimConfig, lr: float,
     # per-parameter loop on CPU (measured here: loop 4.4 ms, foreach 4.8 ms, fused 1.5 ms per step of
     # the default GPT, one thread; fused's update differs from the loop's by rounding, up to 7e-8).
     impl = {"fused": True} if fused else {}
+    if cfg.name == "adamw" and cfg.state_dtype == "bf16":
+        from .lowmem import AdamWBF16State
+
+        return AdamWBF16State(groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps)
     if cfg.name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, **impl)
+    if cfg.name == "adafactor":  # torch's: factored second moments of matrices (a row and a column vector)
+        return torch.optim.Adafactor(groups, lr=lr)
     return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, **impl)
 
 
