@@ -106,8 +106,10 @@ def predicted_bytes(cfg: Config, plan: BatchPlan, precision: Any) -> Optional[in
     length = cfg.data.get("block_size") or cfg.model.get("block_size")
     if not length:
         return None
+    # a pretrained model's shapes without its weights (from_pretrained refuses the meta device)
+    weights = {"load_weights": False} if cfg.model.get("pretrained") else {}
     with torch.device("meta"):  # built and cast as the strategy holds it (FakeTensor parameters cannot be cast)
-        model = precision.prepare(instantiate(cfg.model, _convert_="all"))
+        model = precision.prepare(instantiate(cfg.model, _convert_="all", **weights))
     if routing_of(model).layers:
         return None
     with FakeTensorMode():

@@ -42,7 +42,7 @@ gradients and 6.7e-7 for the weights in fp32; 3.6e-4 for fp16's gradients); ever
 plan mode's, the chunks' all-reduces included.
 
 Refused (a ConfigError naming model.loss.chunked, before anything is built): tp with dist.tp.loss_parallel=false
-and Hugging Face models; wrong values of model.loss.* name their key. ``python -m dist_trainer
+and Hugging Face masked LMs (causal LMs chunk: tests/test_chunked_loss_hf.py); wrong values of model.loss.* name their key. ``python -m dist_trainer
 model.loss.chunked=true`` composes (the key is in conf/model/gpt.yaml) and reaches validation.
 """
 
@@ -334,11 +334,12 @@ def test_tensor_parallelism_without_loss_parallel_refuses_the_chunked_loss():
     validate(cfg, 2)  # the plain loss runs there
 
 
-def test_a_hugging_face_model_refuses_the_chunked_loss():
+def test_a_hugging_face_masked_lm_refuses_the_chunked_loss():
+    """Causal LMs chunk (tests/test_chunked_loss_hf.py); a masked LM's head transforms the hidden states first."""
     cfg = _config(4, True)
-    cfg.model = {"_target_": "dist_trainer.models.hf.hf_model", "task": "causal_lm", "model_type": "llama",
+    cfg.model = {"_target_": "dist_trainer.models.hf.hf_model", "task": "masked_lm", "model_type": "bert",
                  "loss": {"chunked": True}}
-    with pytest.raises(ConfigError, match=r"^model\.loss\.chunked=True: is the built-in GPT's"):
+    with pytest.raises(ConfigError, match=r"^model\.loss\.chunked=True: is for causal LMs"):
         validate(cfg, 1)
 
 
