@@ -298,3 +298,29 @@ def test_100_steps_of_muon_train_no_worse_than_adamw(tmp_path):
         records = [json.loads(line) for line in (tmp_path / optim / "metrics.jsonl").read_text().splitlines()]
         evals[optim] = next(r["eval_loss"] for r in reversed(records) if r.get("eval_loss") is not None)
     assert evals["muon"] <= 1.01 * evals["adamw"], evals
+
+
+# ------------------------------------------------------------------------------------------ four ranks
+
+CASES4 = {"hsdp": _config(2, "fsdp"),  # 2 replicas x a shard group of 2: rows gathered within each group
+          "fsdp-tp2": _config(4, "fsdp", tp=2)}  # a matrix cut twice: gathered over tp, then over the shards
+CASES4["hsdp"].dist.fsdp = dataclasses.replace(CASES4["hsdp"].dist.fsdp, shard_size=2)
+
+
+@pytest.fixture(scope="module")
+def runs4(runs, tmp_path_factory):
+    return runs[0], launch_clean(_worker, 4, tmp_path_factory.mktemp("muon4"), list(CASES4.items()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES4))
+def test_four_ranks_equal_one_process_and_gather_what_plan_mode_predicts(runs4, name):
+    ref, four = runs4
+    step = plan_numbers(CASES4[name], validate(CASES4[name], 4))["step"]
+    for rank, results in enumerate(four):
+        got = job_record(results, name)
+        assert_all_close_scaled(got["grads"][0], ref["grads"][0], f"{name} rank {rank} gradients of step 1")
+        assert_all_close_scaled(got["params"][0], ref["params"][0], f"{name} rank {rank} weights after step {STEPS}")
+        for number, outcome in enumerate(got["outcomes"], 1):
+            assert {k: outcome["comm"][k] for k in COMM_KEYS} == {k: step[k] for k in COMM_KEYS}, (name, rank, number)
+    assert step["muon_all_gathers"] == (2 if name == "fsdp-tp2" else 1) * 2 * 6
