@@ -219,6 +219,23 @@ def muon_comm(cfg: Config, mesh: MeshShape, model: nn.Module, held: Optional[Col
     return counts
 
 
+def muon_ns_flops(cfg: Config, mesh: MeshShape, model: nn.Module,
+                  held: Optional[Collection[int]] = None) -> Optional[int]:
+    """The Newton-Schulz FLOPs of one step on the busiest rank (optim.name=muon; None otherwise): per matrix of
+    sides a <= b, each iteration's three products (the Gram matrix 2a^2 b, its square 2a^3, the update 2a^2 b).
+    gather: every rank orthogonalises every matrix; owner: a cut matrix on its owner only (the i-th on rank i mod
+    the cut group's size), a whole one where it is. ``held``: id() of the parameters this rank steps (all)."""
+    if cfg.optim.name != "muon":
+        return None
+    muon = {i for i in muon_ids(cfg, model) if held is None or i in held}
+    sizes = [sorted(p.shape) for p in model.parameters() if id(p) in muon]
+    flops = [cfg.optim.muon.ns_steps * (4 * a * a * b + 2 * a ** 3) for a, b in sizes]
+    group = mesh.tp if mesh.tp > 1 else mesh.shard if sharded_by_fsdp(cfg) else 1
+    if cfg.optim.muon.dist != "owner" or group == 1:
+        return sum(flops)
+    return max(sum(f for i, f in enumerate(flops) if i % group == r) for r in range(group))
+
+
 def _activation_size(precision: Precision) -> int:
     """Bytes of an activation element: the autocast dtype's, else the parameters'."""
     dtype = precision.autocast_dtype or precision.param_dtype or torch.float32
@@ -444,6 +461,7 @@ def pp_expected(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
         counts.update(moe_step_allreduces(plan, model, counts))
         trained = [p for unit in g["units"] for p in unit if p.requires_grad]
         counts.update(muon_comm(cfg, mesh, model, {id(p) for p in trained}))
+        ns_flops = muon_ns_flops(cfg, mesh, model, {id(p) for p in trained})
         state = (expected_state_bytes(cfg, trained, S, cut, muon_ids(cfg, model))
                  + expert_state_bytes(cfg, g["experts"], mesh.ep))
         # Every unit stays gathered (a shard group of one rank too: FSDP2 still unshards into its own buffer) and
@@ -461,7 +479,7 @@ def pp_expected(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
         else:
             held = sum(stage_gathered.values()) + (sum(stage_grads.values()) if accum > 1 else 0)
         out.append({"stages": g["stages"], "blocks": g["blocks"], "first": g["first"], "last": g["last"],
-                    "step": counts, "state_mb": state / MIB, "inflight": inflight[r],
+                    "step": counts, "state_mb": state / MIB, "inflight": inflight[r], "muon_ns_flops": ns_flops,
                     "step_peak_state_mb": (state + held) / MIB,
                     "ckpt_staging_mb": expected_staging_bytes(cfg, trained, 0, S, cut, muon_ids(cfg, model)) / MIB,
                     "load_host_peak_mb": expected_load_bytes(cfg, mesh, model, cut,
@@ -759,6 +777,7 @@ def plan_numbers(cfg: Config, plan: BatchPlan, model: Optional[nn.Module] = None
                                if mesh.tp > 1 and not auto else None),
         # What autograd keeps for backward from one micro-batch's forward on a rank (fake tensors at its shape).
         "activation_mb": _mib_or_none(None if auto else predicted_bytes(cfg, plan, precision)),
+        "muon_ns_flops": muon_ns_flops(cfg, mesh, model),
         "ckpt_staging_mb": expected_staging_bytes(cfg, params, persistent_buffer_bytes(model), mesh.shard, cut,
                                                   muon) / MIB,
         "load_host_peak_mb": expected_load_bytes(cfg, mesh, model, cut) / MIB,
@@ -806,6 +825,7 @@ def _pp_numbers(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
         "ckpt_staging_mb": max(g["ckpt_staging_mb"] for g in groups),
         "norm_activation_mb": None,
         "activation_mb": None,  # a stage's forward is not run alone in plan mode
+        "muon_ns_flops": None if cfg.optim.name != "muon" else max(g["muon_ns_flops"] for g in groups),
         "pp_bubble": pp_bubble(pp.schedule, mesh.pp, pp.stages_per_rank, plan.accum_steps),
         "pp_stage_groups": [{**g, "first_step": first_step_comm(g["step"]),
                              "resumed_step": resumed_step_comm(g["step"])} for g in groups],
@@ -827,7 +847,10 @@ def _muon_lines(cfg: Config, numbers: Dict[str, Any]) -> List[str]:
     gathers = ("" if step.get(key) is None else
                f"; {step[key]} {'gathers to an owner and scatters back' if owner else 'all-gathers'} of whole "
                f"matrices per optimizer step ({_mib(step[key[:-1] + '_bytes'])} each way, {key} over {over})")
-    return [f"  optimizer: {line}{gathers}"]
+    flops = numbers.get("muon_ns_flops")
+    iterations = "" if flops is None else \
+        f"; Newton-Schulz {flops / 1e9:.3f} GFLOP a step on the busiest rank (muon_ns_flops)"
+    return [f"  optimizer: {line}{gathers}{iterations}"]
 
 
 def _activation_shape(cfg: Config, plan: BatchPlan) -> str:

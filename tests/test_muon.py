@@ -21,6 +21,7 @@ import os
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
+from torch.utils.flop_counter import FlopCounterMode
 
 from dist_trainer.config import ConfigError, MuonConfig, PPConfig, TPConfig, validate
 from dist_trainer.optim import build_optimizer, muon_split
@@ -128,9 +129,19 @@ def _per_shard(update: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Te
 
 def _run_job(env, world_size: int, name: str, cfg) -> dict:
     def before(parts, plan) -> dict:
+        optimizer, flops = parts.trainer.optimizer, []
         if name.endswith("per-shard"):
-            parts.trainer.optimizer._whole = _per_shard
-        return {}
+            optimizer._whole = _per_shard
+        step = optimizer.step
+
+        def counted(*args, **kwargs):  # the step's matmul FLOPs: AdamW's part has none, Newton-Schulz all
+            with FlopCounterMode(display=False) as counter:
+                out = step(*args, **kwargs)
+            flops.append(counter.get_total_flops())
+            return out
+
+        optimizer.step = counted
+        return {"ns_flops": flops}
 
     return record_steps(env, world_size, cfg, STEPS, before=before)
 
@@ -191,6 +202,14 @@ def test_every_step_gathers_and_keeps_what_plan_mode_predicts(runs, name):
             # Muon's state (momentum and a step a matrix) against AdamW's two moments: state_mb (the largest
             # rank's) as predicted
             assert outcome["state_mb"] == pytest.approx(numbers["state_mb"], rel=1e-9), (name, rank, number)
+    # Newton-Schulz's FLOPs: every rank's in gather mode (each rank runs every matrix), the busiest's in owner mode
+    flops = [job_record(results, name)["ns_flops"] for results in runs[1]]
+    assert all(len(set(f)) == 1 for f in flops) and max(f[0] for f in flops) == numbers["muon_ns_flops"], flops
+    if not name.endswith("owner"):
+        assert flops[0] == flops[1], flops
+    else:  # owner: each rank ran its own matrices' iterations, half of them here
+        assert sum(f[0] for f in flops) == plan_numbers(CASES[name.replace("-owner", "")],
+                                                       validate(CASES[name.replace("-owner", "")], 2))["muon_ns_flops"]
     if name.startswith(("fsdp", "tp2")):  # every hidden matrix is cut: one gather each a step
         key = "muon_gathers" if name.endswith("owner") else "muon_all_gathers"
         assert numbers["step"][key] == 2 * 6  # 2 blocks x (q, k, v, proj, fc, out)
