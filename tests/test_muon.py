@@ -104,8 +104,9 @@ def test_bad_muon_keys_name_the_key(key, value):
 # ------------------------------------------------------------------------------------------ two ranks
 
 def _config(micro: int, strategy: str = "ddp", accum_sync: str = "last", tp: int = 1, pp: int = 1,
-            dist: str = "gather"):
+            dist: str = "gather", precision: str = "fp32"):
     cfg = gpt_config(micro)
+    cfg.precision = dataclasses.replace(cfg.precision, name=precision)
     cfg.model = {**cfg.model, "n_layer": 2}
     cfg.optim = _optim(dist=dist)
     cfg.dist = dataclasses.replace(cfg.dist, strategy=strategy, tp=TPConfig(size=tp), pp=PPConfig(size=pp),
@@ -117,7 +118,10 @@ CASES = {"ddp": _config(4), "fsdp": _config(4, "fsdp"), "fsdp-every": _config(4,
          "tp2": _config(4, tp=2), "pp2": _config(4, pp=2),
          # each matrix gathered on one rank, orthogonalised there, scattered back
          "fsdp-owner": _config(4, "fsdp", dist="owner"), "tp2-owner": _config(4, tp=2, dist="owner"),
-         "fsdp-per-shard": _config(4, "fsdp")}  # the negative control
+         "fsdp-per-shard": _config(4, "fsdp"),  # the negative control
+         # bf16 weights, FP32 masters: the optimizer (Muon's iterations included) steps the masters
+         "ddp-bf16-master": _config(4, precision="bf16-master")}
+HALF_TOL = 3e-2  # bf16's rounding of a gradient, relative to its scale (test_master_weights' bound)
 
 
 def _per_shard(update: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
@@ -141,7 +145,8 @@ def _run_job(env, world_size: int, name: str, cfg) -> dict:
             return out
 
         optimizer.step = counted
-        return {"ns_flops": flops}
+        return {"ns_flops": flops, "stepped_dtypes": sorted({str(p.dtype) for g in optimizer.param_groups
+                                                             for p in g["params"]})}
 
     return record_steps(env, world_size, cfg, STEPS, before=before)
 
@@ -157,6 +162,11 @@ def runs(tmp_path_factory):
     return job_record(one, "one"), two
 
 
+@pytest.fixture(scope="module")
+def bf16_master_reference():
+    return job_record(in_one_process(_worker, [("one", _config(GLOBAL, precision="bf16-master"))]), "one")
+
+
 def _param_error(got: dict, ref: dict) -> float:
     floor = set_floor(ref)
     return max(scaled_error(got[k], ref[k], floor) for k in got)
@@ -167,7 +177,21 @@ def _held(got: dict) -> dict:
     return {k: "tok_emb.weight" if k == "head.weight" else k for k in got}
 
 
-@pytest.mark.parametrize("name", [n for n in CASES if not n.endswith("per-shard")])
+def test_master_weights_take_muons_step_in_fp32(runs, bf16_master_reference):
+    """bf16-master on 2 ranks against one process in bf16-master: the same steps to bf16's rounding, and the
+    tensors the optimizer (Muon's part too) steps are the FP32 masters, the model's weights bf16 copies."""
+    ref = bf16_master_reference
+    for rank, results in enumerate(runs[1]):
+        got = job_record(results, "ddp-bf16-master")
+        for step, (a, b) in enumerate(zip(got["outcomes"], ref["outcomes"]), 1):
+            assert not a["skipped"] and a["loss"] == pytest.approx(b["loss"], rel=HALF_TOL), (rank, step)
+        # gradients of step 1 only: AdamW's part moves an element whose gradient is rounding noise by up to lr
+        assert_all_close_scaled(got["grads"][0], ref["grads"][0], f"rank {rank} gradients of step 1", HALF_TOL)
+        assert got["stepped_dtypes"] == ["torch.float32"]  # the masters'
+        assert {str(t.dtype) for t in got["params"][0].values()} == {"torch.bfloat16", "torch.float32"}  # norms
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if not n.endswith(("per-shard", "bf16-master"))])
 def test_two_ranks_equal_one_process(runs, name):
     ref, two = runs
     for rank, results in enumerate(two):
