@@ -14,7 +14,15 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Tuple
 
-PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-master", "fp16-master")
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-master", "fp16-master", "fp8-rowwise", "fp8-rowwise-gw-hp",
+              "fp8-tensorwise")
+
+
+def master_mode(precision: "PrecisionConfig") -> bool:
+    """Whether the precision keeps FP32 masters beside half weights: *-master, and the fp8 modes over bf16 compute
+    (bf16-master's weights with float8 matmuls; over fp32 compute they have FP32 weights only)."""
+    name = precision.name
+    return name.endswith("-master") or (name.startswith("fp8-") and precision.fp8.compute == "bf16")
 OPTIMIZERS = ("adamw", "sgd", "muon", "adafactor")
 LR_SCALINGS = ("none", "linear", "sqrt")
 SCHEDULES = ("constant", "cosine")
@@ -57,8 +65,22 @@ class LossScaleConfig:
 
 
 @dataclass
+class Fp8Config:
+    """precision.fp8: the float8 modes' keys (precision=fp8-*; dist_trainer/fp8.py)."""
+
+    filter: Optional[List[str]] = None  # linear name patterns kept in bf16; null: the head and dims not % 16
+    emulate: Any = "auto"  # auto: emulated where there are no float8 matmuls (CPU, GPUs before sm89); true, false
+    pow2_scales: bool = True  # scales rounded to powers of two (split-invariant); false: tensorwise only
+    all_gather: bool = False  # FSDP2's float8 all-gather (not yet: its scales are not powers of two)
+    # What runs outside the float8 matmuls: bf16 (bf16-master's weights and autocast: each micro-batch's gradients
+    # are rounded to bf16, split-invariant to bf16's rounding) or fp32 (FP32 weights, no autocast: to 1e-7)
+    compute: str = "bf16"
+
+
+@dataclass
 class PrecisionConfig:
     name: str = "fp32"
+    fp8: Fp8Config = field(default_factory=Fp8Config)
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)  # fp16 modes only
     debug_overflow: bool = False  # on a skipped step, log parameters with non-finite grads
 
@@ -822,7 +844,7 @@ def _validate_ep(cfg: Config, mesh: MeshShape) -> None:
     _check(experts % mesh.ep == 0, "dist.ep.size", mesh.ep,
            f"must divide model.moe.num_experts={experts} (each rank of an expert-parallel group holds "
            f"num_experts / dist.ep.size of them): one of {[d for d in _divisors(experts) if mesh.data_ranks % d == 0]}")
-    _check(not (mesh.strategy == "ddp" and cfg.precision.name.endswith("-master")), "precision.name",
+    _check(not (mesh.strategy == "ddp" and master_mode(cfg.precision)), "precision.name",
            cfg.precision.name, f"with dist.ep.size={mesh.ep} under dist.strategy=ddp is not supported yet (the "
            "experts' FP32 masters would be whole): use a *-mixed precision, or dist.strategy=fsdp")
 
@@ -998,6 +1020,9 @@ def validate(cfg: Config, world_size: int, local_world_size: Optional[int] = Non
     _validate_ep(cfg, mesh)
     _validate_cp(cfg, mesh)
     _validate_loss(cfg, mesh)
+    from .fp8 import check as check_fp8  # the float8 modes' keys against the mesh
+
+    check_fp8(cfg)
     if cfg.optim.name == "adafactor":  # torch's steps plain tensors: its in-place norms fail on DTensor shards
         cut = [f"dist.strategy={cfg.dist.strategy}"] if mesh.kind != "ddp" else []
         cut += [f"dist.{k}.size={n}" for k, n in (("tp", mesh.tp), ("ep", mesh.ep)) if n > 1]

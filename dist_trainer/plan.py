@@ -20,7 +20,7 @@ import torch
 from hydra.utils import instantiate
 from torch import nn
 
-from .config import BatchPlan, Config, ConfigError, MeshShape, pp_v_shape, validate
+from .config import BatchPlan, Config, ConfigError, MeshShape, master_mode, pp_v_shape, validate
 from .data import StepPlan, build_dataset
 from .moe import routing_of
 from .moe.ep import BACKWARD_ALL_TO_ALLS, FORWARD_ALL_TO_ALLS, expert_params, moe_layers
@@ -609,7 +609,7 @@ def expected_state_bytes(cfg: Config, params: List[torch.Tensor], shard: int,
         return 4 * (2 * sum(sizes) + _optimizer_state_elements(cfg, sizes, is_muon, [p.shape for p in params]))
     sizes = [p.numel() for p in params]
     own = 2 * sum(p.numel() * p.element_size() for p in params)  # parameters and their gradients
-    masters = 2 * 4 * sum(sizes) if cfg.precision.name.endswith("-master") else 0
+    masters = 2 * 4 * sum(sizes) if master_mode(cfg.precision) else 0
     return own + masters + 4 * _optimizer_state_elements(cfg, sizes, is_muon, [p.shape for p in params])
 
 
@@ -833,6 +833,16 @@ def _pp_numbers(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
     }
 
 
+def _fp8_lines(cfg: Config) -> List[str]:
+    from .fp8 import RECIPES, describe
+
+    if cfg.precision.name not in RECIPES:
+        return []
+    model = meta_model(cfg, Precision(cfg.precision, torch.device("cpu")))
+    return [f"  precision {describe(model, cfg.precision.fp8, cfg.precision.name)}; the rest in "
+            f"{cfg.precision.fp8.compute}" + (" with FP32 masters" if master_mode(cfg.precision) else "")]
+
+
 def _muon_lines(cfg: Config, numbers: Dict[str, Any]) -> List[str]:
     from .optim import optimizer_line
 
@@ -993,6 +1003,7 @@ def plan_report(cfg: Config, world_size: int, local_world_size: Optional[int] = 
         + (f", optim.base_batch_size={cfg.optim.base_batch_size})" if cfg.optim.lr_scaling != "none" else ")"),
         f"  model {numbers['parameters']:,} trainable parameters, precision {cfg.precision.name}",
         *_muon_lines(cfg, numbers),
+        *_fp8_lines(cfg),
         *comm_lines(numbers, plan.accum_steps),
         *pp_lines(numbers),
         f"  plus 1 all-reduce of {step_stats_bytes(world_size, plan.mesh.pp > 1)} bytes (loss, item count, squared gradient norm, "
@@ -1001,7 +1012,7 @@ def plan_report(cfg: Config, world_size: int, local_world_size: Optional[int] = 
         + "; step_allreduces; step 1 adds 2, of 8 and 16 bytes; the first after a resume 1, of 16)",
         f"  model state per rank after an optimizer step: {state / MIB:.2f} MiB ({state} bytes; state_mb, "
         f"dist.strategy={cfg.dist.strategy}, parameters, gradients, optimizer state"
-        + (", FP32 masters)" if cfg.precision.name.endswith("-master") else ")"),
+        + (", FP32 masters)" if master_mode(cfg.precision) else ")"),
         *([f"  at the step's peak, with gathered parameters and unsharded gradients: "
            f"{numbers['step_peak_state_mb']:.2f} MiB (step_peak_state_mb)"] if numbers["step_peak_state_mb"] else []),
         *([f"  activations a micro-batch's forward keeps for backward on a rank: {numbers['activation_mb']:.2f} MiB "

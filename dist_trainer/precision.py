@@ -16,10 +16,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from .config import LossScaleConfig, PrecisionConfig
+from .config import LossScaleConfig, PrecisionConfig, master_mode
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16,
-                   "bf16-master": torch.bfloat16, "fp16-master": torch.float16}
+                   "bf16-master": torch.bfloat16, "fp16-master": torch.float16,
+                   # float8 matmuls inside bf16 compute (dist_trainer/fp8.py)
+                   "fp8-rowwise": torch.bfloat16, "fp8-rowwise-gw-hp": torch.bfloat16, "fp8-tensorwise": torch.bfloat16}
 NORM_LAYERS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.LayerNorm,
                nn.GroupNorm, nn.RMSNorm, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 
@@ -287,12 +289,16 @@ class Precision:
     def __init__(self, cfg: PrecisionConfig, device: torch.device):
         self.name = cfg.name
         self.device_type = device.type
-        self.autocast_dtype = AUTOCAST_DTYPES[cfg.name]
-        self.param_dtype = self.autocast_dtype if cfg.name.endswith("-master") else None
+        # the fp8 modes over fp32 compute: FP32 weights and no autocast around the float8 matmuls
+        fp32_compute = cfg.name.startswith("fp8-") and cfg.fp8.compute == "fp32"
+        self.autocast_dtype = None if fp32_compute else AUTOCAST_DTYPES[cfg.name]
+        self.param_dtype = self.autocast_dtype if master_mode(cfg) else None
         # Where the optimizer's FP32 weights live (and what the gradient all-reduce sends).
         self.weights_type = MasterWeights if self.param_dtype is not None else ModelWeights
         self.scaler = DynamicLossScaler(cfg.loss_scale) if cfg.name.startswith("fp16") else ConstantScaler()
         self.debug_overflow = cfg.debug_overflow
+        # the float8 modes with power-of-two scales: the loss's backward factor a power of two too (Trainer)
+        self.pow2_backward = cfg.name.startswith("fp8-") and cfg.fp8.pow2_scales
 
     def autocast(self) -> ContextManager:
         if self.autocast_dtype is None:

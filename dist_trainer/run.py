@@ -33,6 +33,7 @@ from .metrics import Outputs, peak_flops, peak_mem_mb
 from .models import construct, pretrained
 from .models.hf import TARGETS as HF_TARGETS
 from .moe import inactive_params, routing_of
+from . import fp8
 from .optim import build_optimizer, optimizer_line
 from .parallel import build_strategy, check_consistency
 from .plan import plan_numbers, write_plan_json
@@ -88,6 +89,8 @@ def startup_report(plan: BatchPlan, env: DistEnv, cfg: Config, model: nn.Module,
         f"{step_plan.num_samples} samples, {step_plan.steps_per_epoch} optimizer steps per epoch"
         + moe_line(model, plan)
         + (f"\noptimizer: {line}" if (line := optimizer_line(list(model.named_parameters()), cfg.optim)) else "")
+        + (f"\nprecision {fp8.describe_converted(model, cfg.precision.name)}" if cfg.precision.name in fp8.RECIPES
+           else "")
     )
 
 
@@ -171,10 +174,14 @@ def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
     # What building (or loading) the model adds to this rank's memory: built whole, the build and the wrapping;
     # on the meta device the shards' materialisation, which measures itself (the recording imports the model's
     # library and allocates nothing the model keeps).
+    if cfg.precision.name in fp8.RECIPES:  # torchao's import is not the model's memory: before the measure
+        fp8.import_torchao(cfg.precision.name)
     with hostmem.PhasePeak() as built:
         model, materialise = construct.build(make, sharded, env.device,
                                              log.warning if env.is_main else lambda _: None, whole, source)
         frozen = checkpoint.frozen_digest(model)  # before wrapping: whole tensors on every rank (None on meta)
+        if cfg.precision.name in fp8.RECIPES:  # float8 linears first: every parallelism wraps them as it would a Linear
+            fp8.convert(model, cfg.precision.fp8, cfg.precision.name, env.device.type)
         strategy = build_strategy(model, env, cfg.dist, mesh, precision, cfg.trainer.compile, materialise)
     load_mb = materialise.mb if materialise is not None else built.mb
     # The optimizer's tensors (FP32 masters in master modes) are the trainable parameters', in order.

@@ -255,7 +255,12 @@ class Trainer:
         """Items of the first micro-batch, averaged over ranks: once, at the first step."""
         total = items.detach().clone().to(torch.float64) * self.batch_share
         self._all_reduce(total)
-        return max(total.item() / self.plan.data_ranks, 1.0)
+        divisor = max(total.item() / self.plan.data_ranks, 1.0)
+        if self.precision.pow2_backward:
+            # float8 rounds each gradient to 2-3 mantissa bits after a power-of-two scale: a factor that is not a
+            # power of two (the first micro-batch's items differ between splits) would move that rounding
+            divisor = 2.0 ** round(math.log2(divisor))
+        return divisor
 
     def _reduce_window(self, loss_sum: torch.Tensor, items: torch.Tensor, samples: int,
                        stop_requested: Callable[[], bool], times: tuple[float, float],
