@@ -285,6 +285,7 @@ def test_a_skipped_step_leaves_momentum_and_the_schedule_alone(tmp_path):
 
 # ------------------------------------------------------------------------------------------ checkpoints
 
+@pytest.mark.slow  # two torchrun jobs and a resume: CI's slow stage
 def test_resume_is_bit_identical_and_fsdp_resumes_on_one_process(tmp_path):
     """2 ranks under fsdp stopped at step 2 and resumed end bit-identical to the uninterrupted run (the momentum
     travels sharded like its parameter); the same checkpoint resumed on one process (ddp) within 1e-5."""
