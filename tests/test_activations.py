@@ -3,7 +3,7 @@ on a rank) against the same measure of a real rank's forward, on 2 gloo ranks.
 
 The built-in GPT on 8 sequences of 24 tokens a micro-batch (test_accumulation's data) under ddp (cp 1), context
 parallelism at cp 2 (ring zig-zag and contiguous, Ulysses; fp32, bf16 autocast and bf16 weights; with activation
-checkpointing, which keeps the blocks' inputs instead), the chunked loss with and without cp, and a tiny llama at cp 2: each
+checkpointing, which keeps the blocks' inputs instead), float8 linears (fp8-rowwise over bf16 and fp32 compute), the chunked loss with and without cp, and a tiny llama at cp 2: each
 rank's measured bytes equal the prediction exactly (the same forward on fake tensors at the rank's shape; the
 llama at cp 1 within 1.1x above, see UPPER_BOUND; bf16 weights within 1 %, see CLOSE), cp 2
 keeps between 0.45 and 0.55 of cp 1's (1/cp but the few per-sequence tensors), and the chunked loss keeps less than
@@ -54,9 +54,12 @@ CASES = {
     "cp2-ring-checkpointing": _config(2, checkpointing=True),
     "cp1-chunked": _config(chunked=True),
     "cp2-ring-chunked": _config(2, chunked=True),
+    "cp1-fp8": _config(precision="fp8-rowwise"),  # float8 linears (torchao, emulated) over bf16 compute
+    "cp1-fp8-fp32": _config(precision="fp8-rowwise"),  # and over fp32
     "llama-cp1": _config(model=LLAMA),
     "llama-cp2-ring": _config(2, model=LLAMA),
 }
+CASES["cp1-fp8-fp32"].precision.fp8 = dataclasses.replace(CASES["cp1-fp8-fp32"].precision.fp8, compute="fp32")
 
 
 def _measure(env, cfg) -> int:
@@ -99,7 +102,7 @@ def _predicted(name: str) -> float:
 UPPER_BOUND = {"llama-cp1": 1.1}
 # bf16 weights with FP32 norms: CPU's LayerNorm keeps a bf16 input's mean and reciprocal deviation in float32, its
 # fake kernel says bf16: 2 bytes a token for each of 2 values a norm fewer (measured 1,920 bytes of 222,000 here).
-CLOSE = {"cp2-ring-bf16-master": 1e-2}
+CLOSE = {"cp2-ring-bf16-master": 1e-2, "cp1-fp8": 1e-2}
 
 
 @pytest.mark.parametrize("name", list(CASES))
