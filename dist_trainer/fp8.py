@@ -131,11 +131,11 @@ def check(cfg: Any) -> None:
     if patterns is not None and not (isinstance(patterns, list) and all(isinstance(x, str) for x in patterns)):
         raise ConfigError(f"precision.fp8.filter={p.fp8.filter!r}: a list of linear name patterns kept in bf16, "
                           "or null for the default")
-    for key, size in (("tp", cfg.dist.tp.size), ("pp", cfg.dist.pp.size), ("cp", cfg.dist.cp.size),
-                      ("ep", cfg.dist.ep.size)):
+    for key, size in (("tp", cfg.dist.tp.size), ("cp", cfg.dist.cp.size), ("ep", cfg.dist.ep.size)):
         if size > 1:
             raise ConfigError(f"precision.name={p.name} with dist.{key}.size={size} is not supported yet (float8 "
-                              f"linears run under ddp, fsdp and hsdp): set dist.{key}.size=1 or precision=bf16-master")
+                              f"linears run under ddp, fsdp, hsdp and pipeline stages): set dist.{key}.size=1 or "
+                              "precision=bf16-master")
     if p.fp8.all_gather:
         raise ConfigError("precision.fp8.all_gather=true is not supported yet: FSDP2's float8 all-gather takes "
                           "its own scales (not rounded to powers of two: measured 3.2e-2 from ddp); set "

@@ -50,6 +50,9 @@ RECIPES = ("fp8-rowwise", "fp8-rowwise-gw-hp", "fp8-tensorwise")
 CASES = {f"{r}-{s}": _config(4, r, "fsdp" if s.startswith("fsdp") else "ddp", "every" if s == "fsdp-every" else "last")
          for r in RECIPES for s in ("ddp", "fsdp", "fsdp-every")}
 CASES["fp8-tensorwise-no-pow2-ddp"] = _config(4, "fp8-tensorwise", pow2=False)
+# pipeline stages: each stage's linears converted before the cut
+CASES["fp8-rowwise-pp2"] = _config(4, "fp8-rowwise")
+CASES["fp8-rowwise-pp2"].dist.pp = dataclasses.replace(CASES["fp8-rowwise-pp2"].dist.pp, size=2)
 # activation checkpointing: the recomputed forward casts the same tensors to the same float8 values
 CASES["fp8-rowwise-ac"] = _config(4, "fp8-rowwise", "fsdp")
 CASES["fp8-rowwise-ac"].dist.activation_checkpointing = True
@@ -101,13 +104,18 @@ def test_power_of_two_scales_keep_the_split_invariant(runs, name):
     ref = _reference(one, name)
     for rank, results in enumerate(two):
         got = job_record(results, name)
-        assert len(got["converted"]) == 2 * 6, got["converted"]  # q, k, v, proj, fc, out of 2 blocks; not the head
+        # q, k, v, proj, fc, out of 2 blocks (a pipeline rank: its block's); not the head
+        assert len(got["converted"]) == (6 if "pp2" in name else 2 * 6), got["converted"]
         for step, (a, b) in enumerate(zip(got["outcomes"], ref["outcomes"]), 1):
             assert not a["skipped"] and a["items"] == b["items"], (name, step)
             assert a["loss"] == pytest.approx(b["loss"], rel=SCALE_TOL), f"{name}: loss at step {step}"
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=SCALE_TOL), f"{name}: norm at step {step}"
-        assert_all_close_scaled(got["grads"][0], ref["grads"][0], f"{name} rank {rank} gradients of step 1")
-        assert_all_close_scaled(got["params"][0], ref["params"][0], f"{name} rank {rank} weights after step 3")
+        # a pipeline rank holds its stage's weights; the last stage's head is its copy of the tied embedding
+        held = {k: "tok_emb.weight" if k == "head.weight" else k for k in got["params"][0]}
+        assert_all_close_scaled(got["grads"][0], {k: ref["grads"][0][v] for k, v in held.items()},
+                                f"{name} rank {rank} gradients of step 1")
+        assert_all_close_scaled(got["params"][0], {k: ref["params"][0][v] for k, v in held.items()},
+                                f"{name} rank {rank} weights after step 3")
 
 
 @pytest.mark.parametrize("name", ["fp8-rowwise-bf16-ddp", "fp8-rowwise-bf16-fsdp"])
@@ -235,3 +243,18 @@ def test_resume_is_bit_identical_and_the_export_is_the_plain_models(tmp_path):
     assert_bit_identical(half, ref)
     plain = GPT(n_layer=1, n_embd=32, n_head=2, block_size=32)
     plain.load_state_dict(final_params(ref))  # strict: the same keys and shapes
+
+
+# ------------------------------------------------------------------------------------------ four ranks
+
+@pytest.mark.slow
+def test_hsdp_keeps_the_split_invariant(runs, tmp_path):
+    """hsdp 2 x 2 (two replicas of a shard group of 2) against the same one-process reference."""
+    cfg = _config(2, "fp8-rowwise", "fsdp")
+    cfg.dist.fsdp = dataclasses.replace(cfg.dist.fsdp, shard_size=2)
+    ref = job_record(runs[0], "fp8-rowwise")
+    for rank, results in enumerate(launch_clean(_worker, 4, tmp_path, [("hsdp", cfg)])):
+        got = job_record(results, "hsdp")
+        assert len(got["converted"]) == 2 * 6
+        assert_all_close_scaled(got["grads"][0], ref["grads"][0], f"hsdp rank {rank} gradients of step 1")
+        assert_all_close_scaled(got["params"][0], ref["params"][0], f"hsdp rank {rank} weights after step 3")
