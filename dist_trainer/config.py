@@ -122,7 +122,8 @@ class OptimConfig:
     # true/false forces fused on or off (fused on CPU: 3x faster steps, rounding-level differences).
     fused: Optional[bool] = None
     muon: MuonConfig = field(default_factory=MuonConfig)
-    # AdamW's moments between steps: fp32 (8 bytes a parameter) or bf16 (4; updated in FP32, stored rounded)
+    # AdamW's moments between steps: fp32 (8 bytes a parameter), bf16 (4; updated in FP32, stored rounded) or int8
+    # (about 2: torchao's block-wise quantised AdamW8bit, for tensors of 4096 elements or more)
     state_dtype: str = "fp32"
 
 
@@ -660,7 +661,8 @@ def _validate_values(cfg: Config) -> None:
     _check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
     _check(o.grad_clip is None or o.grad_clip > 0, "optim.grad_clip", o.grad_clip, "must be > 0 or null")
     _validate_muon(o)
-    _check(o.state_dtype in ("fp32", "bf16"), "optim.state_dtype", o.state_dtype, "choose fp32 or bf16")
+    _check(o.state_dtype in ("fp32", "bf16", "int8"), "optim.state_dtype", o.state_dtype,
+           "choose fp32, bf16 or int8 (torchao's 8-bit AdamW)")
     _check(o.state_dtype == "fp32" or o.name == "adamw", "optim.state_dtype", o.state_dtype,
            f"is AdamW's (optim.name=adamw); optim.name={o.name} keeps its state in FP32: set optim.state_dtype=fp32")
     _check(t.max_steps >= 1, "trainer.max_steps", t.max_steps, "must be >= 1")

@@ -567,19 +567,28 @@ def first_step_comm(counts: Dict[str, int]) -> Dict[str, int]:
             "step_allreduce_bytes": counts["step_allreduce_bytes"] + 8 + 16}
 
 
-def _optimizer_state_elements(cfg: Config, sizes: List[int], muon: List[bool],
-                              shapes: Optional[List[torch.Size]] = None) -> int:
-    """FP32 elements (4-byte units) of optimizer state for tensors of ``sizes`` elements each on a rank;
-    ``muon``: which Muon steps; ``shapes``: the tensors' whole shapes (Adafactor's factors)."""
+def _optimizer_state_bytes(cfg: Config, sizes: List[int], muon: List[bool],
+                           shapes: Optional[List[torch.Size]] = None) -> int:
+    """Bytes of optimizer state for tensors of ``sizes`` elements each on a rank; ``muon``: which Muon steps;
+    ``shapes``: the tensors' whole shapes (Adafactor's factors)."""
     o = cfg.optim
     if o.name == "sgd":
-        return sum(sizes) if o.momentum > 0 else 0  # SGD's momentum buffer
+        return 4 * sum(sizes) if o.momentum > 0 else 0  # SGD's momentum buffer
     if o.name == "adafactor":  # a matrix's row and column means (of its last two dimensions), a vector's variance
-        return sum((math.prod(s[:-2]) * (s[-2] + s[-1]) if len(s) >= 2 else n) + 1 for n, s in zip(sizes, shapes))
-    # AdamW: exp_avg, exp_avg_sq (two bf16 in 4 bytes under optim.state_dtype=bf16) and one scalar step a tensor;
-    # Muon (optim.name=muon): its momentum and step
-    moments = 1 if o.state_dtype == "bf16" else 2
-    return sum(n + 1 if m else moments * n + 1 for n, m in zip(sizes, muon))
+        return 4 * sum((math.prod(s[:-2]) * (s[-2] + s[-1]) if len(s) >= 2 else n) + 1 for n, s in zip(sizes, shapes))
+    # AdamW: exp_avg, exp_avg_sq and one FP32 scalar step a tensor; Muon (optim.name=muon): its momentum and step
+    moment = {"fp32": lambda n: 4 * n, "bf16": lambda n: 2 * n, "int8": _int8_moment_bytes}[o.state_dtype]
+    return sum(4 * n + 4 if m else 2 * moment(n) + 4 for n, m in zip(sizes, muon))
+
+
+def _int8_moment_bytes(n: int) -> int:
+    """torchao's 8-bit moment of ``n`` elements (on a rank): a byte an element, an FP32 scale a block of 256 and
+    its 256-entry FP32 table, where the tensor has 4096 elements or more in whole blocks; FP32 otherwise."""
+    from .optim.lowmem import INT8_BLOCK, INT8_MIN_ELEMENTS
+
+    if n >= INT8_MIN_ELEMENTS and n % INT8_BLOCK == 0:
+        return n + 4 * (n // INT8_BLOCK) + 4 * 256
+    return 4 * n
 
 
 def muon_ids(cfg: Config, model: nn.Module) -> set:
@@ -606,19 +615,18 @@ def expected_state_bytes(cfg: Config, params: List[torch.Tensor], shard: int,
     is_muon = [id(p) in muon for p in params]
     if sharded_by_fsdp(cfg):
         sizes = [shard_elements(p, shard, cut.get(id(p))) for p in params]
-        return 4 * (2 * sum(sizes) + _optimizer_state_elements(cfg, sizes, is_muon, [p.shape for p in params]))
+        return 8 * sum(sizes) + _optimizer_state_bytes(cfg, sizes, is_muon, [p.shape for p in params])
     sizes = [p.numel() for p in params]
     own = 2 * sum(p.numel() * p.element_size() for p in params)  # parameters and their gradients
     masters = 2 * 4 * sum(sizes) if master_mode(cfg.precision) else 0
-    return own + masters + 4 * _optimizer_state_elements(cfg, sizes, is_muon, [p.shape for p in params])
+    return own + masters + _optimizer_state_bytes(cfg, sizes, is_muon, [p.shape for p in params])
 
 
 def expert_state_bytes(cfg: Config, experts: List[torch.Tensor], ep: int, edp: int = 1) -> int:
     """State of a rank's expert slices (FP32 parameter, gradient, optimizer state): 1/ep of each, and its padded
     shard of that over ``edp`` ranks where FSDP cuts it again."""
     sizes = [shard_elements(p, edp, _slice(p, ep)) for p in experts]  # 3-D: never Muon's
-    return 4 * (2 * sum(sizes) + _optimizer_state_elements(cfg, sizes, [False] * len(sizes),
-                                                           [p.shape for p in experts]))
+    return 8 * sum(sizes) + _optimizer_state_bytes(cfg, sizes, [False] * len(sizes), [p.shape for p in experts])
 
 
 def expected_staging_bytes(cfg: Config, params: List[torch.Tensor], buffer_bytes: int, shard: int,
@@ -636,8 +644,8 @@ def expected_staging_bytes(cfg: Config, params: List[torch.Tensor], buffer_bytes
         sizes = [shard_elements(p, shard, cut.get(id(p))) for p in params]
     else:
         sizes = [p.numel() for p in params]
-    state = _optimizer_state_elements(cfg, sizes, [id(p) in muon for p in params], [p.shape for p in params])
-    return 4 * (sum(sizes) + state) + buffer_bytes
+    state = _optimizer_state_bytes(cfg, sizes, [id(p) in muon for p in params], [p.shape for p in params])
+    return 4 * sum(sizes) + state + buffer_bytes
 
 
 def persistent_buffer_bytes(model: nn.Module) -> int:

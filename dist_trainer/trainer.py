@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass  # a subclass's inner tensors
 
 from .config import BatchPlan, OptimConfig, TrainerConfig
 from .data import Window
@@ -429,6 +430,15 @@ class Trainer:
             )
 
 
+def _stored(t: torch.Tensor) -> List[torch.Tensor]:
+    """The plain tensors holding ``t``'s data: ``t``, or those a wrapper subclass keeps (torchao's 8-bit optimizer
+    state: its codes, scales and table)."""
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return [inner for name in names for inner in _stored(local_tensor(getattr(t, name)))]
+    return [t]
+
+
 def state_bytes(strategy: Any, optimizer: torch.optim.Optimizer) -> int:
     """Bytes of model state this rank holds: parameters, gradients, optimizer state, FP32 masters.
 
@@ -442,8 +452,7 @@ def state_bytes(strategy: Any, optimizer: torch.optim.Optimizer) -> int:
             tensors += [p] + ([p.grad] if p.grad is not None else [])
             tensors += [v for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
     seen, total = set(), 0
-    for t in tensors:
-        local = local_tensor(t)
+    for local in [inner for t in tensors for inner in _stored(local_tensor(t))]:
         storage = local.untyped_storage()
         key = (storage.data_ptr(), local.device)
         if key not in seen:

@@ -9,6 +9,9 @@ ranks against one process: test_accumulation's GPT on uneven valid tokens, 3 ste
   (measured below), the gradients of step 1 within SCALE_TOL; the state is bf16 and state_mb as plan mode predicts
   (2 x 2 bytes a parameter instead of 2 x 4); one process's bf16-state update equals torch's AdamW run on the same
   moments in FP32 and rounded after.
+* 8-bit state (``optim.state_dtype=int8``, torchao's AdamW8bit; slow: its step compiles): the large moments
+  quantised (OptimState8bit), the weights within INT8_STATE_TOL, state_mb (the codes, scales and tables) as plan
+  mode predicts.
 """
 
 from __future__ import annotations
@@ -28,11 +31,15 @@ from test_accumulation import GLOBAL, STEPS, gpt_config, in_one_process, launch_
 # bf16 moments: a flipped rounding moves a moment by up to 2^-8 of itself and the update by about that; after 3
 # steps the weights were measured 8.9e-5 of their scale apart (fp32 state: 1e-6).
 BF16_STATE_TOL = 1e-3
+# 8-bit moments: a flipped quantisation moves a moment by a step of its 256-entry table, and FSDP quantises each
+# rank's shard in blocks of its own (measured after 3 steps: 4.8e-4 under ddp, 5.3e-3 under fsdp)
+INT8_STATE_TOL = 3e-2
 
 
 def _config(micro: int, name: str = "adafactor", strategy: str = "ddp", state: str = "fp32"):
     cfg = gpt_config(micro)
-    cfg.model = {**cfg.model, "n_layer": 2}
+    # width 32 for 8-bit state: the embedding (256 x 32) and the MLP's (128 x 32) reach torchao's 4096 elements
+    cfg.model = {**cfg.model, "n_layer": 2, **({"n_embd": 32} if state == "int8" else {})}
     cfg.optim = dataclasses.replace(cfg.optim, name=name, state_dtype=state, weight_decay=0.1)
     cfg.dist = dataclasses.replace(cfg.dist, strategy=strategy)
     return cfg
@@ -41,13 +48,18 @@ def _config(micro: int, name: str = "adafactor", strategy: str = "ddp", state: s
 CASES = {"adafactor-ddp": _config(4),
          "bf16-state-ddp": _config(4, "adamw", state="bf16"), "bf16-state-fsdp": _config(4, "adamw", "fsdp", "bf16")}
 REFERENCES = {"adafactor": _config(GLOBAL), "bf16-state": _config(GLOBAL, "adamw", state="bf16")}
+# torchao's 8-bit AdamW compiles its step (a minute on 2 loaded cores): the slow set
+INT8_CASES = {"int8-state-ddp": _config(4, "adamw", state="int8"),
+              "int8-state-fsdp": _config(4, "adamw", "fsdp", "int8")}
+INT8_REFERENCES = {"int8-state": _config(GLOBAL, "adamw", state="int8")}
 
 
 def _run_job(env, world_size: int, name: str, cfg) -> dict:
     def after(parts) -> dict:
-        dtypes = {str(t.dtype) for state in parts.trainer.optimizer.state.values() for key, t in state.items()
-                  if key in ("exp_avg", "exp_avg_sq")}
-        return {"moment_dtypes": sorted(dtypes)}
+        moments = [t.to_local() if hasattr(t, "to_local") else t for state in parts.trainer.optimizer.state.values()
+                   for key, t in state.items() if key in ("exp_avg", "exp_avg_sq")]
+        return {"moment_dtypes": sorted({str(t.dtype) for t in moments}),
+                "moment_types": sorted({type(t).__name__ for t in moments})}
 
     return record_steps(env, world_size, cfg, STEPS, after=after)
 
@@ -62,16 +74,32 @@ def runs(tmp_path_factory):
     return one, launch_clean(_worker, 2, tmp_path_factory.mktemp("optimizers"), list(CASES.items()))
 
 
+@pytest.fixture(scope="module")
+def runs_int8(tmp_path_factory):
+    one = in_one_process(_worker, list(INT8_REFERENCES.items()))
+    return one, launch_clean(_worker, 2, tmp_path_factory.mktemp("int8"), list(INT8_CASES.items()))
+
+
+def _pick(request, name: str) -> tuple:
+    """The runs holding case ``name``, and its config."""
+    if name in INT8_CASES:
+        return request.getfixturevalue("runs_int8"), INT8_CASES[name]
+    return request.getfixturevalue("runs"), CASES[name]
+
+
+ALL = [*CASES, *(pytest.param(n, marks=pytest.mark.slow) for n in INT8_CASES)]
+
+
 def _error(got: dict, ref: dict) -> float:
     floor = set_floor(ref)
     return max(scaled_error(got[k], ref[k], floor) for k in ref)
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_two_ranks_equal_one_process(runs, name):
-    one, two = runs
+@pytest.mark.parametrize("name", ALL)
+def test_two_ranks_equal_one_process(request, name):
+    (one, two), _ = _pick(request, name)
     ref = job_record(one, name.rsplit("-", 1)[0])
-    weights_tol = BF16_STATE_TOL if name.startswith("bf16") else SCALE_TOL
+    weights_tol = {"bf16": BF16_STATE_TOL, "int8": INT8_STATE_TOL}.get(name.split("-")[0], SCALE_TOL)
     for rank, results in enumerate(two):
         got = job_record(results, name)
         for step, (a, b) in enumerate(zip(got["outcomes"], ref["outcomes"]), 1):
@@ -84,14 +112,17 @@ def test_two_ranks_equal_one_process(runs, name):
                                 weights_tol)
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_state_is_what_plan_mode_predicts(runs, name):
-    cfg = CASES[name]
+@pytest.mark.parametrize("name", ALL)
+def test_state_is_what_plan_mode_predicts(request, name):
+    runs, cfg = _pick(request, name)
     numbers = plan_numbers(cfg, validate(cfg, 2))
     for results in runs[1]:
         got = job_record(results, name)
         assert got["outcomes"][-1]["state_mb"] == pytest.approx(numbers["state_mb"], rel=1e-9), name
-        assert got["moment_dtypes"] == (["torch.bfloat16"] if name.startswith("bf16") else []), name
+        if name.startswith("bf16"):
+            assert got["moment_dtypes"] == ["torch.bfloat16"], name
+        if name.startswith("int8"):  # the large moments quantised, the small ones FP32
+            assert got["moment_types"] == ["OptimState8bit", "Tensor"], name
 
 
 def test_bf16_state_is_torchs_update_on_rounded_moments():

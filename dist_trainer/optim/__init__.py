@@ -33,6 +33,10 @@ def build_optimizer(params: List[torch.Tensor], cfg: OptimConfig, lr: float,
         from .lowmem import AdamWBF16State
 
         return AdamWBF16State(groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    if cfg.name == "adamw" and cfg.state_dtype == "int8":
+        from .lowmem import int8_adamw
+
+        return int8_adamw(groups, lr, tuple(cfg.betas), cfg.eps)
     if cfg.name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, **impl)
     if cfg.name == "adafactor":  # torch's: factored second moments of matrices (a row and a column vector)
@@ -100,4 +104,8 @@ def lr_at(update: int, peak_lr: float, cfg: OptimConfig, total_updates: int) -> 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         mine, base = group.get("lr_of", (1.0, 1.0))  # Muon's matrices: (optim.muon.lr, optim.lr)
-        group["lr"] = mine * (lr / base) if "lr_of" in group else lr
+        value = mine * (lr / base) if "lr_of" in group else lr
+        if isinstance(group["lr"], torch.Tensor):  # torchao's 8-bit AdamW keeps it a tensor (its compiled step's)
+            group["lr"].fill_(value)
+        else:
+            group["lr"] = value
