@@ -32,8 +32,9 @@ from test_accumulation import GLOBAL, STEPS, gpt_config, in_one_process, launch_
 # steps the weights were measured 8.9e-5 of their scale apart (fp32 state: 1e-6).
 BF16_STATE_TOL = 1e-3
 # 8-bit moments: a flipped quantisation moves a moment by a step of its 256-entry table, and FSDP quantises each
-# rank's shard in blocks of its own (measured after 3 steps: 4.8e-4 under ddp, 5.3e-3 under fsdp)
-INT8_STATE_TOL = 3e-2
+# rank's shard in blocks of its own. Measured after 3 steps: 4.8e-4 under ddp; under fsdp 5.3e-3 with AVX-512
+# kernels and 3.7e-2 with AVX2's (which flip other codes): a bound for the same training, not for the same bits.
+INT8_STATE_TOL = 1e-1
 
 
 def _config(micro: int, name: str = "adafactor", strategy: str = "ddp", state: str = "fp32"):
@@ -48,7 +49,9 @@ def _config(micro: int, name: str = "adafactor", strategy: str = "ddp", state: s
 CASES = {"adafactor-ddp": _config(4),
          "bf16-state-ddp": _config(4, "adamw", state="bf16"), "bf16-state-fsdp": _config(4, "adamw", "fsdp", "bf16")}
 REFERENCES = {"adafactor": _config(GLOBAL), "bf16-state": _config(GLOBAL, "adamw", state="bf16")}
-# torchao's 8-bit AdamW compiles its step (a minute on 2 loaded cores): the slow set
+# torchao's 8-bit AdamW compiles its step (a minute on 2 loaded cores): the slow set. They pass under the native and
+# AVX2 kernels; with ATEN_CPU_CAPABILITY=default forced, torch's inductor writes vectorised C++ without its vector
+# header and the compile fails (a limit of that forced setting, which .ci/run uses for the default set only).
 INT8_CASES = {"int8-state-ddp": _config(4, "adamw", state="int8"),
               "int8-state-fsdp": _config(4, "adamw", "fsdp", "int8")}
 INT8_REFERENCES = {"int8-state": _config(GLOBAL, "adamw", state="int8")}
