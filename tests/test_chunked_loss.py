@@ -49,28 +49,22 @@ model.loss.chunked=true`` composes (the key is in conf/model/gpt.yaml) and reach
 from __future__ import annotations
 
 import dataclasses
-import gc
 import json
 import os
 import subprocess
 import sys
-import traceback
 
 import pytest
 import torch
 
-from dist_trainer import distributed
 from dist_trainer.config import ConfigError, CPConfig, PPConfig, TPConfig, validate
-from dist_trainer.data import epoch_batches
 from dist_trainer.models import GPT
 from dist_trainer.models.loss import IGNORE_INDEX, _ChunkedHeadLoss
 from dist_trainer.parallel.tp import TP_COMM_KEYS
 from dist_trainer.plan import plan_numbers
-from dist_trainer.run import build
-from helpers import (REPO, SAME_OPS_TOL, SCALE_TOL, assert_all_close_scaled, assert_close_scaled, run_module,
-                     scaled_error, set_floor)
+from helpers import (REPO, SAME_OPS_TOL, SCALE_TOL, assert_all_close_scaled, assert_close_scaled, record_steps,
+                     run_jobs, run_module, scaled_error, set_floor)
 from test_accumulation import GLOBAL, STEPS, gpt_config, in_one_process, launch_clean
-from test_fsdp import _named_full
 
 MODEL = {"vocab_size": 1000, "block_size": 24, "n_layer": 2, "n_head": 2, "n_embd": 32, "dropout": 0.0}
 # The half types' rounding of a gradient, relative to its scale (test_master_weights' bounds).
@@ -239,33 +233,23 @@ CASES = {"ddp": _config(4, True), "fsdp-ac": _config(8, True, "fsdp", checkpoint
 RUN_TOL = {"fp32": SCALE_TOL, "fp16-mixed": 5e-3, "bf16-master": 3e-2}
 
 
-def _run_job(env, world_size: int, cfg) -> dict:
+def _chunked_as_configured(parts, plan) -> dict:
+    """The run computes its loss in chunks as configured (a pipeline's last stage returns the summed loss)."""
+    module = parts.trainer.module
+    assert module.loss_options.chunked == parts.model_config["loss"]["chunked"]
+    if plan.mesh.pp > 1:
+        assert parts.trainer.strategy.chunked_loss
+    return {}
+
+
+def _run_job(env, world_size: int, name: str, cfg) -> dict:
     """Each step's outcome, whole gradients of step 1, whole weights after the last step."""
-    parts = build(cfg, validate(cfg, world_size), env)
-    trainer, module = parts.trainer, parts.trainer.module
-    assert module.loss_options.chunked == cfg.model["loss"]["chunked"]
-    if cfg.dist.pp.size > 1:  # the last stage returns its summed loss, not logits
-        assert trainer.strategy.chunked_loss
-    rec = {"outcomes": [], "grads": None, "params": None}
-    batches = epoch_batches(parts.train_set, parts.step_plan, 0, 0, 0, False)
-    for step, (window, micro_batches) in zip(range(1, STEPS + 1), batches):
-        rec["outcomes"].append(dataclasses.asdict(trainer.train_step(micro_batches, window, step)))
-        if step == 1:
-            rec["grads"] = _named_full(module, grads=True)
-    rec["params"] = _named_full(module, grads=False)
-    return rec
+    rec = record_steps(env, world_size, cfg, STEPS, before=_chunked_as_configured)
+    return {**rec, "grads": rec["grads"][0], "params": rec["params"][0]}
 
 
 def _worker(rank: int, world_size: int, jobs: list) -> dict:
-    env = distributed.init("cpu")
-    results = {}
-    for name, cfg in jobs:
-        try:
-            results[name] = _run_job(env, world_size, cfg)
-        except Exception:
-            results[name] = {"error": traceback.format_exc()}
-        gc.collect()
-    return results
+    return run_jobs(rank, world_size, jobs, _run_job)
 
 
 @pytest.fixture(scope="module")

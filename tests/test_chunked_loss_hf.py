@@ -31,23 +31,17 @@ other than 1, phi's head bias, a LoRA model's head trained whole); a masked LM w
 from __future__ import annotations
 
 import dataclasses
-import gc
-import traceback
 
 import pytest
 import torch
 from torch.utils.data import Dataset
 
-from dist_trainer import distributed
 from dist_trainer.activations import saved_bytes
 from dist_trainer.config import ConfigError, CPConfig, PPConfig, TPConfig, validate
-from dist_trainer.data import epoch_batches
 from dist_trainer.data.builtin import char_text
 from dist_trainer.models.hf import hf_model
-from dist_trainer.run import build
-from helpers import SAME_OPS_TOL, SCALE_TOL, assert_all_close_scaled
+from helpers import SAME_OPS_TOL, SCALE_TOL, assert_all_close_scaled, record_steps, run_jobs
 from test_accumulation import GLOBAL, STEPS, _token_length, gpt_config, in_one_process, launch_clean
-from test_fsdp import _named_full
 
 # Grouped keys and values (4 query heads, 2 kv heads), rotary positions.
 HF = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -217,33 +211,23 @@ CASES = {"ddp": _config(4, True), "cp2": _config(4, True, cp=2), "pp2": _config(
          "tp2": _config(4, True, tp=TPConfig(size=2))}
 
 
-def _run_job(env, world_size: int, cfg) -> dict:
+def _chunked_as_configured(parts, plan) -> dict:
+    """The run computes its loss in chunks as configured (a pipeline's last stage returns the summed loss)."""
+    module = parts.trainer.module
+    assert module.loss_options.chunked == parts.model_config["loss"]["chunked"]
+    if plan.mesh.pp > 1:
+        assert parts.trainer.strategy.chunked_loss
+    return {}
+
+
+def _run_job(env, world_size: int, name: str, cfg) -> dict:
     """Each step's outcome, whole gradients of step 1, whole weights after the last step."""
-    parts = build(cfg, validate(cfg, world_size), env)
-    trainer, module = parts.trainer, parts.trainer.module
-    assert module.loss_options.chunked == cfg.model["loss"]["chunked"]
-    if cfg.dist.pp.size > 1:  # the last stage returns its summed loss, not logits
-        assert trainer.strategy.chunked_loss
-    rec = {"outcomes": [], "grads": None, "params": None}
-    batches = epoch_batches(parts.train_set, parts.step_plan, 0, 0, 0, False)
-    for step, (window, micro_batches) in zip(range(1, STEPS + 1), batches):
-        rec["outcomes"].append(dataclasses.asdict(trainer.train_step(micro_batches, window, step)))
-        if step == 1:
-            rec["grads"] = _named_full(module, grads=True)
-    rec["params"] = _named_full(module, grads=False)
-    return rec
+    rec = record_steps(env, world_size, cfg, STEPS, before=_chunked_as_configured)
+    return {**rec, "grads": rec["grads"][0], "params": rec["params"][0]}
 
 
 def _worker(rank: int, world_size: int, jobs: list) -> dict:
-    env = distributed.init("cpu")
-    results = {}
-    for name, cfg in jobs:
-        try:
-            results[name] = _run_job(env, world_size, cfg)
-        except Exception:
-            results[name] = {"error": traceback.format_exc()}
-        gc.collect()
-    return results
+    return run_jobs(rank, world_size, jobs, _run_job)
 
 
 @pytest.fixture(scope="module")
