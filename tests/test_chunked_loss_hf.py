@@ -40,8 +40,9 @@ from dist_trainer.activations import saved_bytes
 from dist_trainer.config import ConfigError, CPConfig, PPConfig, TPConfig, validate
 from dist_trainer.data.builtin import char_text
 from dist_trainer.models.hf import hf_model
-from helpers import SAME_OPS_TOL, SCALE_TOL, assert_all_close_scaled, record_steps, run_jobs
+from helpers import SAME_OPS_TOL, SCALE_TOL, assert_all_close_scaled
 from test_accumulation import GLOBAL, STEPS, _token_length, gpt_config, in_one_process, launch_clean
+from test_chunked_loss import _worker  # each step recorded, the chunks checked as configured
 
 # Grouped keys and values (4 query heads, 2 kv heads), rotary positions.
 HF = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -209,25 +210,6 @@ REFERENCE = _config(GLOBAL, False)  # one process, one batch of 32, the plain lo
 CASES = {"ddp": _config(4, True), "cp2": _config(4, True, cp=2), "pp2": _config(4, True, pp=2),
          # tp 2: the head column-wise, each chunk's cross-entropy on the ranks' vocabulary slices (128 rows each)
          "tp2": _config(4, True, tp=TPConfig(size=2))}
-
-
-def _chunked_as_configured(parts, plan) -> dict:
-    """The run computes its loss in chunks as configured (a pipeline's last stage returns the summed loss)."""
-    module = parts.trainer.module
-    assert module.loss_options.chunked == parts.model_config["loss"]["chunked"]
-    if plan.mesh.pp > 1:
-        assert parts.trainer.strategy.chunked_loss
-    return {}
-
-
-def _run_job(env, world_size: int, name: str, cfg) -> dict:
-    """Each step's outcome, whole gradients of step 1, whole weights after the last step."""
-    rec = record_steps(env, world_size, cfg, STEPS, before=_chunked_as_configured)
-    return {**rec, "grads": rec["grads"][0], "params": rec["params"][0]}
-
-
-def _worker(rank: int, world_size: int, jobs: list) -> dict:
-    return run_jobs(rank, world_size, jobs, _run_job)
 
 
 @pytest.fixture(scope="module")
