@@ -224,3 +224,78 @@ def runner_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--out", required=True)
     return parser.parse_args()
+
+
+# ---------------------------------------------------------------- runs built as dist_trainer.run builds them
+# (bench/fp8.py, bench/optimizers.py: modes of one model on 2 gloo ranks, stepped in turn)
+
+# evaluation and checkpoints off: the step alone is timed
+STEP_ONLY = ["trainer.device=cpu", "trainer.eval_every=0", "trainer.ckpt_every=0"]
+
+
+def compose(overrides: List[str]):
+    """The run's Config, as the entry point composes it from conf/ (evaluation and checkpoints off)."""
+    from hydra import compose as hydra_compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    import dist_trainer.cli  # noqa: F401  (registers the schema)
+
+    with initialize_config_module("dist_trainer.conf", version_base=None):
+        return OmegaConf.to_object(hydra_compose("config", STEP_ONLY + list(overrides)))
+
+
+class Mode:
+    """One mode's run on ``world`` ranks, built as dist_trainer.run builds it, and its batches."""
+
+    def __init__(self, overrides: List[str], env, world: int) -> None:
+        from dist_trainer.config import validate
+        from dist_trainer.plan import plan_numbers
+        from dist_trainer.run import build
+
+        cfg = compose(overrides)
+        plan = validate(cfg, world)
+        self.parts = build(cfg, plan, env)
+        self.trainer = self.parts.trainer
+        self.plan_state_mb = plan_numbers(cfg, plan, self.trainer.module)["state_mb"]
+        self.batches = self._batches()
+        self.step, self.last = 0, None  # steps taken, the last one's outcome
+
+    def _batches(self):
+        from dist_trainer.data import epoch_batches
+
+        epoch = 0
+        while True:  # epoch after epoch, as long as the benchmark asks
+            yield from epoch_batches(self.parts.train_set, self.parts.step_plan, epoch, 0, 0, False)
+            epoch += 1
+
+    def train_step(self) -> tuple:
+        """One step: (its wall time on this rank, the outcome)."""
+        window, micro_batches = next(self.batches)
+        self.step += 1
+        began = time.perf_counter()
+        outcome = self.trainer.train_step(micro_batches, window, self.step)
+        return time.perf_counter() - began, outcome
+
+
+def take_turns(runs: Dict[str, Mode], timed: int, report_every: int, rank: int) -> Dict[str, List[float]]:
+    """Each mode's wall time of ``timed`` steps on this rank, the modes taking turns step by step, so that another
+    job's burst on the shared cores falls on all of them; each mode's last outcome kept in ``last``."""
+    steps: Dict[str, List[float]] = {name: [] for name in runs}
+    for i in range(timed):
+        for name, run in runs.items():
+            elapsed, outcome = run.train_step()
+            assert not outcome.skipped, f"{name}: step {run.step} skipped ({outcome.skip_reason})"
+            steps[name].append(elapsed)
+            run.last = outcome
+        if rank == 0 and (i + 1) % report_every == 0:
+            print(f"{i + 1} of {timed} timed steps a mode done", flush=True)
+    return steps
+
+
+def slowest(values: List[float]) -> List[float]:
+    """Each entry's largest value over the ranks (one all-reduce)."""
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()

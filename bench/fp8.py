@@ -42,7 +42,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_description  # noqa: E402
+import common  # noqa: E402
+from common import compose, machine_description  # noqa: E402
 
 WORLD = 2
 BASE_MODE = "bf16-master"
@@ -55,21 +56,6 @@ PRECISIONS = {  # name: the overrides that choose it (conf/precision/*.yaml and 
     "fp8-rowwise, compute fp32": ["precision=fp8-rowwise", "precision.fp8.compute=fp32"],
 }
 STRATEGIES = {"ddp": [], "fsdp": ["dist.strategy=fsdp"]}
-# evaluation and checkpoints off: the step alone is timed
-BASE = ["trainer.device=cpu", "trainer.eval_every=0", "trainer.ckpt_every=0"]
-
-
-def compose(overrides: list):
-    """The run's Config, as the entry point composes it from conf/."""
-    from hydra import compose as hydra_compose, initialize_config_module
-    from omegaconf import OmegaConf
-
-    import dist_trainer.cli  # noqa: F401  (registers the schema)
-
-    with initialize_config_module("dist_trainer.conf", version_base=None):
-        return OmegaConf.to_object(hydra_compose("config", BASE + overrides))
-
-
 def modes(strategies: list) -> dict:
     """'strategy / precision': overrides, bf16-master's run among them under each strategy (the ratios' base)."""
     return {f"{s} / {p}": STRATEGIES[s] + PRECISIONS[p] for s in strategies for p in PRECISIONS}
@@ -87,29 +73,11 @@ def plan_lines() -> dict:
     return lines
 
 
-class Mode:
-    """One mode's run, built as dist_trainer.run builds it, and its batches."""
+class Mode(common.Mode):
+    """One mode's run, and what float8 became in it."""
 
     def __init__(self, overrides: list, env) -> None:
-        from dist_trainer.config import validate
-        from dist_trainer.plan import plan_numbers
-        from dist_trainer.run import build
-
-        cfg = compose(overrides)
-        plan = validate(cfg, WORLD)
-        self.parts = build(cfg, plan, env)
-        self.trainer = self.parts.trainer
-        self.plan_state_mb = plan_numbers(cfg, plan, self.trainer.module)["state_mb"]
-        self.batches = self._batches()
-        self.step, self.last = 0, None  # steps taken, the last one's outcome
-
-    def _batches(self):
-        from dist_trainer.data import epoch_batches
-
-        epoch = 0
-        while True:  # epoch after epoch, as long as the benchmark asks
-            yield from epoch_batches(self.parts.train_set, self.parts.step_plan, epoch, 0, 0, False)
-            epoch += 1
+        super().__init__(overrides, env, WORLD)
 
     def float8(self) -> tuple:
         """(linears converted to Float8Linear, how many of them emulate float8) in the built model."""
@@ -117,21 +85,6 @@ class Mode:
 
         linears = [m for m in self.trainer.module.modules() if isinstance(m, Float8Linear)]
         return len(linears), sum(bool(m.config.emulate) for m in linears)
-
-    def train_step(self) -> tuple:
-        """One step: (its wall time on this rank, the outcome)."""
-        window, micro_batches = next(self.batches)
-        self.step += 1
-        began = time.perf_counter()
-        outcome = self.trainer.train_step(micro_batches, window, self.step)
-        return time.perf_counter() - began, outcome
-
-
-def _slowest(values: list) -> list:
-    """Each entry's largest value over the ranks (one all-reduce)."""
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
 
 
 def _rank(rank: int, store: str, out: str, strategies: list, warmup: int, timed: int) -> None:
@@ -144,20 +97,11 @@ def _rank(rank: int, store: str, out: str, strategies: list, warmup: int, timed:
     for run in runs.values():
         for _ in range(warmup):
             run.train_step()
-    steps = {name: [] for name in runs}
-    # The modes take turns step by step, so that another job's burst on the shared cores falls on all of them.
-    for i in range(timed):
-        for name, run in runs.items():
-            elapsed, outcome = run.train_step()
-            assert not outcome.skipped, f"{name}: step {run.step} skipped ({outcome.skip_reason})"
-            steps[name].append(elapsed)
-            run.last = outcome
-        if rank == 0 and (i + 1) % 5 == 0:
-            print(f"{i + 1} of {timed} timed steps a mode done", flush=True)
+    steps = common.take_turns(runs, timed, 5, rank)
     record = {}
     for name, run in runs.items():
         converted, emulated = run.float8()
-        record[name] = {"step": _slowest(steps[name]), "loss": run.last.loss, "state_mb": run.last.state_mb,
+        record[name] = {"step": common.slowest(steps[name]), "loss": run.last.loss, "state_mb": run.last.state_mb,
                         "plan_state_mb": run.plan_state_mb, "steps": run.step, "float8_linears": converted,
                         "emulated_linears": emulated}
     if rank == 0:

@@ -44,6 +44,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 from common import machine_description  # noqa: E402
 
 WORLD = 2
@@ -56,8 +57,6 @@ OPTIMIZERS = {  # name: the overrides that choose it (the config groups a user n
 }
 STRATEGIES = {"ddp": [], "fsdp": ["dist.strategy=fsdp"]}
 REFUSED = {("fsdp", "Adafactor")}  # a ConfigError: torch's Adafactor cannot step DTensor shards
-# evaluation and checkpoints off; the warm-up of the lr irrelevant to the time
-BASE = ["trainer.device=cpu", "trainer.eval_every=0", "trainer.ckpt_every=0"]
 # GPT-2 small's hidden matrices, as (rows, cols) of the update Muon orthogonalises, and how many a layer has
 GPT2_SHAPES = ((768, 768), (768, 2304), (768, 3072), (3072, 768))
 GPT2_LAYERS = 12
@@ -70,60 +69,22 @@ def modes() -> dict:
             for s in STRATEGIES for o in OPTIMIZERS if (s, o) not in REFUSED}
 
 
-class Mode:
-    """One mode's run, built as dist_trainer.run builds it, its batches, and its optimizer's step times."""
+class Mode(common.Mode):
+    """One mode's run, and its optimizer's step times."""
 
     def __init__(self, overrides: list, env) -> None:
-        from hydra import compose, initialize_config_module
-        from omegaconf import OmegaConf
-
-        import dist_trainer.cli  # noqa: F401  (registers the schema)
-        from dist_trainer.config import validate
-        from dist_trainer.plan import plan_numbers
-        from dist_trainer.run import build
-
-        with initialize_config_module("dist_trainer.conf", version_base=None):
-            cfg = OmegaConf.to_object(compose("config", BASE + overrides))
-        plan = validate(cfg, WORLD)
-        self.parts = build(cfg, plan, env)
-        self.trainer = self.parts.trainer
-        self.plan_state_mb = plan_numbers(cfg, plan, self.trainer.module)["state_mb"]
-        self.batches = self._batches()
-        self.step, self.last = 0, None  # steps taken, the last one's outcome
+        super().__init__(overrides, env, WORLD)
         self.optimizer_times: list = []
         began = []  # the optimizer's own time, by torch's public step hooks (one pair of perf_counter calls)
         self.trainer.optimizer.register_step_pre_hook(lambda *_: began.append(time.perf_counter()))
         self.trainer.optimizer.register_step_post_hook(
             lambda *_: self.optimizer_times.append(time.perf_counter() - began.pop()))
 
-    def _batches(self):
-        from dist_trainer.data import epoch_batches
-
-        epoch = 0
-        while True:  # epoch after epoch, as long as the benchmark asks
-            yield from epoch_batches(self.parts.train_set, self.parts.step_plan, epoch, 0, 0, False)
-            epoch += 1
-
-    def train_step(self) -> tuple:
-        """One step: (its wall time on this rank, the outcome)."""
-        window, micro_batches = next(self.batches)
-        self.step += 1
-        began = time.perf_counter()
-        outcome = self.trainer.train_step(micro_batches, window, self.step)
-        return time.perf_counter() - began, outcome
-
     def optimizer_state_bytes(self) -> int:
         """Bytes of the tensors in the optimizer's state on this rank (a DTensor's local shard)."""
         tensors = [t for state in self.trainer.optimizer.state.values() for t in state.values()
                    if isinstance(t, torch.Tensor)]
         return sum((t.to_local() if hasattr(t, "to_local") else t).nbytes for t in tensors)
-
-
-def _slowest(values: list) -> list:
-    """Each entry's largest value over the ranks (one all-reduce)."""
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
 
 
 def _rank(rank: int, store: str, out: str, warmup: int, timed: int) -> None:
@@ -137,25 +98,16 @@ def _rank(rank: int, store: str, out: str, warmup: int, timed: int) -> None:
         for _ in range(warmup):
             run.train_step()
         run.optimizer_times.clear()
-    steps = {name: [] for name in runs}
-    # The modes take turns step by step, so that another job's burst on the shared cores falls on all of them.
-    for i in range(timed):
-        for name, run in runs.items():
-            elapsed, outcome = run.train_step()
-            assert not outcome.skipped, f"{name}: step {run.step} skipped ({outcome.skip_reason})"
-            steps[name].append(elapsed)
-            run.last = outcome
-        if rank == 0 and (i + 1) % 10 == 0:
-            print(f"{i + 1} of {timed} timed steps a mode done", flush=True)
+    steps = common.take_turns(runs, timed, 10, rank)
     record = {}
     for name, run in runs.items():
-        times = _slowest(steps[name] + run.optimizer_times)  # each step's slowest rank
+        times = common.slowest(steps[name] + run.optimizer_times)  # each step's slowest rank
         record[name] = {"step": times[:timed], "optimizer": times[timed:], "loss": run.last.loss,
                         "state_mb": run.last.state_mb, "step_peak_state_mb": run.last.step_peak_state_mb,
                         "steps": run.step, "comm": run.last.comm}
     for name, run in runs.items():
         record[name]["plan_state_mb"] = run.plan_state_mb
-        record[name]["optimizer_state_mb"] = _slowest([run.optimizer_state_bytes() / 2**20])[0]
+        record[name]["optimizer_state_mb"] = common.slowest([run.optimizer_state_bytes() / 2**20])[0]
     if rank == 0:
         Path(out).write_text(json.dumps(record))
     del runs
