@@ -71,7 +71,7 @@ class Fp8Config:
     filter: Optional[List[str]] = None  # linear name patterns kept in bf16; null: the head and dims not % 16
     emulate: Any = "auto"  # auto: emulated where there are no float8 matmuls (CPU, GPUs before sm89); true, false
     pow2_scales: bool = True  # scales rounded to powers of two (split-invariant); false: tensorwise only
-    all_gather: bool = False  # FSDP2's float8 all-gather (not yet: its scales are not powers of two)
+    all_gather: bool = False  # fsdp/hsdp with fp8-tensorwise: FSDP2 gathers the weights in float8 (ddp's scales)
     # What runs outside the float8 matmuls: bf16 (bf16-master's weights and autocast: each micro-batch's gradients
     # are rounded to bf16, split-invariant to bf16's rounding) or fp32 (FP32 weights, no autocast: to 1e-7)
     compute: str = "bf16"

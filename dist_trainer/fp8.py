@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Set
 
 from torch import nn
 
@@ -53,6 +53,17 @@ def kept(name: str, module: nn.Linear, cfg: Fp8Config) -> Optional[str]:
 def plan(model: nn.Module, cfg: Fp8Config) -> Dict[str, Optional[str]]:
     """Every linear of ``model`` by name: None (converts) or why it stays in bf16."""
     return {name: kept(name, m, cfg) for name, m in model.named_modules() if type(m) is nn.Linear}
+
+
+def gathered_in_float8(model: nn.Module, precision: Any) -> Set[int]:
+    """id() of the weights FSDP gathers in float8 (``precision.fp8.all_gather``; none otherwise), of a plain
+    model (plan mode's) or a converted one (a run's)."""
+    if precision.name not in RECIPES or not precision.fp8.all_gather:
+        return set()
+    from torchao.float8.float8_linear import Float8Linear
+
+    return {id(m.weight) for name, m in model.named_modules()
+            if isinstance(m, Float8Linear) or (type(m) is nn.Linear and kept(name, m, precision.fp8) is None)}
 
 
 def describe(model: nn.Module, cfg: Fp8Config, name: str) -> str:
@@ -94,10 +105,71 @@ def convert(model: nn.Module, cfg: Fp8Config, name: str, device_type: str) -> nn
     # the recipe's own config, with emulation where there is no float8 hardware and the scales rounded to
     # powers of two (rowwise's default; tensorwise's only when asked, which is the default here)
     config = dataclasses.replace(config, emulate=emulated(cfg, device_type),
-                                 round_scales_to_power_of_2=cfg.pow2_scales)
+                                 round_scales_to_power_of_2=cfg.pow2_scales,
+                                 enable_fsdp_float8_all_gather=cfg.all_gather)
     linears = plan(model, cfg)
     convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: linears.get(fqn, "") is None)
     return model
+
+
+class ScaleSync:
+    """FSDP2's float8 all-gather (``precision.fp8.all_gather``) with the scales ddp's casts take.
+
+    Under the float8 all-gather each rank casts its shard of a weight to float8 before the all-gather, so the
+    weight's tensorwise scale (from the whole weight's amax) must be agreed before: torchao computes it inside the
+    all-gather without rounding it to a power of two, and so unlike ddp's cast of the same weight. Here the scales
+    are computed once per change of the weights, right after each applied optimizer step (in the step), and at
+    the first forward after the start or a load: the amaxes of every float8 weight in one all-reduce (``fp8_scale_allreduces``, float32 each), each scale as
+    torchao's own cast computes it from that amax, rounded down to a power of two where ``pow2_scales``. The cast
+    of each shard is then the cast ddp makes of the same elements of the whole weight: over fp32 compute the
+    gathered float8 weight equals ddp's to the bit. Over bf16 compute the FP32 shard is cast to float8 in one
+    rounding, where ddp casts the bf16 weight (two roundings): an element in a few hundred lands one float8 step
+    apart.
+
+    The first forward's runs from a forward pre-hook put before FSDP's on every FSDP unit (training, evaluation
+    or a pipeline stage's), so that no all-gather takes a stale scale.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: Any, pow2: bool) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        self.model, self.pow2, self.stale = model, pow2, True
+        self.counts = dict.fromkeys(COMM_KEYS, 0)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.register_forward_pre_hook(self._before_forward, prepend=True)
+        optimizer.register_step_post_hook(lambda *_: self.sync())
+        model.register_load_state_dict_post_hook(self._loaded)
+
+    def _loaded(self, *_: Any) -> None:
+        self.stale = True
+
+    def _before_forward(self, *_: Any) -> None:
+        if self.stale:
+            self.sync()
+
+    def sync(self) -> None:
+        """Each float8 weight's scale from its whole amax, all-reduced once; a power of two where asked."""
+        from torchao.float8.float8_utils import _round_scale_down_to_power_of_2
+        from torchao.float8.fsdp_utils import precompute_float8_dynamic_scale_for_fsdp
+
+        from .parallel.tp import count_collectives
+
+        with count_collectives(self.counts, "fp8_scale_"):
+            precompute_float8_dynamic_scale_for_fsdp(self.model)
+        if self.pow2:
+            for module in self.model.modules():
+                local = getattr(getattr(module, "weight", None), "_local_tensor", None)
+                scale = getattr(local, "_precomputed_scale", None)
+                if scale is not None:
+                    local._precomputed_scale = _round_scale_down_to_power_of_2(scale)
+        self.stale = False
+
+    def comm(self) -> Dict[str, int]:
+        return dict(self.counts)
+
+
+COMM_KEYS = ("fp8_scale_allreduces", "fp8_scale_allreduce_bytes")
 
 
 def converted(model: nn.Module) -> List[str]:
@@ -137,6 +209,11 @@ def check(cfg: Any) -> None:
                               f"linears run under ddp, fsdp, hsdp and pipeline stages): set dist.{key}.size=1 or "
                               "precision=bf16-master")
     if p.fp8.all_gather:
-        raise ConfigError("precision.fp8.all_gather=true is not supported yet: FSDP2's float8 all-gather takes "
-                          "its own scales (not rounded to powers of two: measured 3.2e-2 from ddp); set "
-                          "precision.fp8.all_gather=false")
+        if p.name != "fp8-tensorwise":
+            raise ConfigError(f"precision.fp8.all_gather=true with precision.name={p.name}: FSDP2's float8 "
+                              "all-gather casts with one scale a weight (torchao's tensorwise recipe): set "
+                              "precision=fp8-tensorwise or precision.fp8.all_gather=false")
+        if cfg.dist.strategy not in ("fsdp", "hsdp"):
+            raise ConfigError(f"precision.fp8.all_gather=true gathers FSDP's shards in float8; "
+                              f"dist.strategy={cfg.dist.strategy} gathers none: set dist.strategy=fsdp (or hsdp) "
+                              "or precision.fp8.all_gather=false")

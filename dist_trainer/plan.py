@@ -22,6 +22,7 @@ from torch import nn
 
 from .config import BatchPlan, Config, ConfigError, MeshShape, master_mode, pp_v_shape, validate
 from .data import StepPlan, build_dataset
+from .fp8 import gathered_in_float8
 from .moe import routing_of
 from .moe.ep import BACKWARD_ALL_TO_ALLS, FORWARD_ALL_TO_ALLS, expert_params, moe_layers
 from .parallel.blocks import find_blocks
@@ -101,16 +102,19 @@ def unit_shard_bytes(cfg: Config, model: nn.Module, precision: Precision, shard:
     FP32 (trainable parameters only); a root with every parameter in blocks is (0, 0).
     Under tp, of what this rank holds of each parameter.
     """
-    cut = local_shapes(model, cfg.dist.tp)
-    return [unit_bytes(unit, shard, precision, cut)
+    cut, float8 = local_shapes(model, cfg.dist.tp), gathered_in_float8(model, cfg.precision)
+    return [unit_bytes(unit, shard, precision, cut, float8)
             for unit in fsdp_units(model, find_blocks(model, cfg.dist.blocks), skip)]
 
 
 def unit_bytes(unit: List[torch.Tensor], shard: int, precision: Precision,
-               cut: Optional[Dict[int, torch.Size]] = None) -> Tuple[int, int]:
-    """(gathered, gradient) bytes of one rank's padded shard of one FSDP unit (``cut``: the tp shapes)."""
+               cut: Optional[Dict[int, torch.Size]] = None, float8: Collection[int] = ()) -> Tuple[int, int]:
+    """(gathered, gradient) bytes of one rank's padded shard of one FSDP unit (``cut``: the tp shapes;
+    ``float8``: id() of the weights gathered in float8, a byte an element)."""
     cut = cut or {}
-    return (sum(shard_elements(p, shard, cut.get(id(p))) * (precision.param_dtype or p.dtype).itemsize for p in unit),
+    return (sum(shard_elements(p, shard, cut.get(id(p))) * (1 if id(p) in float8 else
+                                                            (precision.param_dtype or p.dtype).itemsize)
+                for p in unit),
             sum(shard_elements(p, shard, cut.get(id(p))) for p in unit if p.requires_grad) * 4)
 
 
@@ -183,7 +187,15 @@ def expected_comm(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Pre
     counts["step_allreduce_bytes"] = step_stats_bytes(mesh.world_size)
     counts.update(moe_step_allreduces(plan, model, counts))
     counts.update(muon_comm(cfg, mesh, model))
+    counts.update(fp8_scale_comm(model, cfg))
     return counts
+
+
+def fp8_scale_comm(model: nn.Module, cfg: Config, held: Optional[Collection[int]] = None) -> Dict[str, int]:
+    """The float8 all-gather's scales, agreed after each update (fp8.ScaleSync): one all-reduce of a float32
+    amax for each float8 weight (``held``: id() of those this rank holds; default all). None without it."""
+    float8 = [i for i in gathered_in_float8(model, cfg.precision) if held is None or i in held]
+    return {"fp8_scale_allreduces": 1, "fp8_scale_allreduce_bytes": 4 * len(float8)} if float8 else {}
 
 
 def muon_comm(cfg: Config, mesh: MeshShape, model: nn.Module, held: Optional[Collection[int]] = None
@@ -398,7 +410,7 @@ def pp_expected(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
     shards = mesh.tp if mesh.tp > 1 and cfg.dist.tp.sequence_parallel else 1
     activation = tokens // shards * model.stage_dims()[0] * stream
     tied = _tied_across(model)
-    cut = local_shapes(model, cfg.dist.tp)
+    cut, float8 = local_shapes(model, cfg.dist.tp), gathered_in_float8(model, cfg.precision)
     # A row-wise Embedding's gradient is made by torch's masked embedding backward over the whole vocabulary: its
     # tp shard is a view of a whole-sized tensor, which is what the rank holds until the step's reduction.
     rowwise_embeddings = {id(model.get_submodule(name).weight) for name, style in
@@ -424,7 +436,7 @@ def pp_expected(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
         # What the stage group holds unsharded at the step's peak: each stage's gathered parameters, gradients.
         stage_gathered, stage_grads = dict.fromkeys(g["stages"], 0), dict.fromkeys(g["stages"], 0)
         for unit, s in zip(g["units"], g["unit_stages"]):
-            gathered, grad = unit_bytes(unit, S, precision, cut)
+            gathered, grad = unit_bytes(unit, S, precision, cut, float8)
             add_unit_comm(counts, mesh, gathered, grad, forwards, 1)  # the counting pass's forward gathers anew
             _, held_grad = unit_bytes(unit, S, precision, grad_cut)  # what the rank holds, not what it reduces
             stage_gathered[s] += S * gathered
@@ -461,6 +473,7 @@ def pp_expected(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
         counts.update(moe_step_allreduces(plan, model, counts))
         trained = [p for unit in g["units"] for p in unit if p.requires_grad]
         counts.update(muon_comm(cfg, mesh, model, {id(p) for p in trained}))
+        counts.update(fp8_scale_comm(model, cfg, {id(p) for p in trained}))
         ns_flops = muon_ns_flops(cfg, mesh, model, {id(p) for p in trained})
         state = (expected_state_bytes(cfg, trained, S, cut, muon_ids(cfg, model))
                  + expert_state_bytes(cfg, g["experts"], mesh.ep))
@@ -751,6 +764,8 @@ def plan_numbers(cfg: Config, plan: BatchPlan, model: Optional[nn.Module] = None
         over = "tp, then shard" if mesh.tp > 1 and sharded_by_fsdp(cfg) else "tp" if mesh.tp > 1 else "shard"
         for kind in ("gathers", "scatters") if cfg.optim.muon.dist == "owner" else ("all_gathers",):
             dims[f"muon_{kind}"] = over
+    if gathered_in_float8(model, cfg.precision):  # the float8 all-gather's amaxes, over each shard group
+        dims["fp8_scale_allreduces"] = "shard"
     ep = {}
     if mesh.cp > 1:
         dims.update({"cp_sends": "cp", "cp_all_to_alls": "cp"})
@@ -803,6 +818,8 @@ def _pp_numbers(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
     step = groups[0]["step"]
     dims = dict(COMM_DIMS["hsdp" if mesh.kind == "ddp" else mesh.kind])
     dims.update({"p2p_sends": "pp", "p2p_recvs": "pp"})
+    if gathered_in_float8(model, cfg.precision):
+        dims["fp8_scale_allreduces"] = "shard"
     if mesh.tp > 1:
         dims.update({key: "tp" for key in TP_COMM_KEYS if not key.endswith("_bytes")})
     if _tied_across(model):
@@ -841,14 +858,26 @@ def _pp_numbers(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
     }
 
 
-def _fp8_lines(cfg: Config) -> List[str]:
+def _fp8_lines(cfg: Config, plan: BatchPlan, numbers: Dict[str, Any]) -> List[str]:
     from .fp8 import RECIPES, describe
 
     if cfg.precision.name not in RECIPES:
         return []
-    model = meta_model(cfg, Precision(cfg.precision, torch.device("cpu")))
-    return [f"  precision {describe(model, cfg.precision.fp8, cfg.precision.name)}; the rest in "
-            f"{cfg.precision.fp8.compute}" + (" with FP32 masters" if master_mode(cfg.precision) else "")]
+    precision = Precision(cfg.precision, torch.device("cpu"))
+    model = meta_model(cfg, precision)
+    lines = [f"  precision {describe(model, cfg.precision.fp8, cfg.precision.name)}; the rest in "
+             f"{cfg.precision.fp8.compute}" + (" with FP32 masters" if master_mode(cfg.precision) else "")]
+    step = numbers["step"] or (numbers.get("pp_stage_groups") or [{}])[0].get("step")
+    if cfg.precision.name == "fp8-tensorwise" and sharded_by_fsdp(cfg) and step:  # with the float8 all-gather, without
+        other = replace(cfg, precision=replace(cfg.precision, fp8=replace(cfg.precision.fp8,
+                                                                            all_gather=not cfg.precision.fp8.all_gather)))
+        on, off = (numbers, plan_numbers(other, plan))[::1 if cfg.precision.fp8.all_gather else -1]
+        gathered = [(n["step"] or n["pp_stage_groups"][0]["step"])["all_gather_bytes"] for n in (on, off)]
+        lines.append(f"  FSDP's all-gathers per optimizer step: {_mib(gathered[0])} with the float8 all-gather, "
+                     f"{_mib(gathered[1])} without (precision.fp8.all_gather={str(cfg.precision.fp8.all_gather).lower()})"
+                     + ("; plus the float8 weights' amaxes, 1 all-reduce a step (fp8_scale_allreduces)"
+                        if cfg.precision.fp8.all_gather else ""))
+    return lines
 
 
 def _muon_lines(cfg: Config, numbers: Dict[str, Any]) -> List[str]:
@@ -1011,7 +1040,7 @@ def plan_report(cfg: Config, world_size: int, local_world_size: Optional[int] = 
         + (f", optim.base_batch_size={cfg.optim.base_batch_size})" if cfg.optim.lr_scaling != "none" else ")"),
         f"  model {numbers['parameters']:,} trainable parameters, precision {cfg.precision.name}",
         *_muon_lines(cfg, numbers),
-        *_fp8_lines(cfg),
+        *_fp8_lines(cfg, plan, numbers),
         *comm_lines(numbers, plan.accum_steps),
         *pp_lines(numbers),
         f"  plus 1 all-reduce of {step_stats_bytes(world_size, plan.mesh.pp > 1)} bytes (loss, item count, squared gradient norm, "

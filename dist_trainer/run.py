@@ -187,7 +187,11 @@ def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
     # The optimizer's tensors (FP32 masters in master modes) are the trainable parameters', in order.
     names = [n for n, p in strategy.module.named_parameters() if p.requires_grad]
     optimizer = build_optimizer(strategy.weights.optimizer_params(), cfg.optim, plan.lr, names)
-    trainer = Trainer(strategy, optimizer, precision, env, plan, cfg.optim, cfg.trainer, cfg.batch.partial_step)
+    # FSDP2's float8 all-gather: each weight's scale agreed before its shards are cast, as ddp's cast takes it
+    scales = (fp8.ScaleSync(strategy.module, optimizer, cfg.precision.fp8.pow2_scales)
+              if cfg.precision.name in fp8.RECIPES and cfg.precision.fp8.all_gather else None)
+    trainer = Trainer(strategy, optimizer, precision, env, plan, cfg.optim, cfg.trainer, cfg.batch.partial_step,
+                      scales)
     # Dropout and other runtime randomness per data-parallel rank: a tp group's ranks draw alike, so what
     # they hold whole (the residual stream without sequence parallelism) stays identical on each.
     # Python's and NumPy's generators too (a model or dataset may draw from them; checkpoints save all three):

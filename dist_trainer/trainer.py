@@ -119,8 +119,10 @@ class Trainer:
     """Holds what the step needs; built once, before the loop."""
 
     def __init__(self, strategy: Any, optimizer: torch.optim.Optimizer, precision: Precision, env: DistEnv,
-                 plan: BatchPlan, optim_cfg: OptimConfig, trainer_cfg: TrainerConfig, partial_step: str = "mean"):
+                 plan: BatchPlan, optim_cfg: OptimConfig, trainer_cfg: TrainerConfig, partial_step: str = "mean",
+                 scales: Any = None):
         self.strategy, self.optimizer, self.precision = strategy, optimizer, precision
+        self.scales = scales  # the float8 all-gather's scales (fp8.ScaleSync), counted with the step's collectives
         self.model, self.module, self.weights = strategy.model, strategy.module, strategy.weights
         self.env, self.plan = env, plan
         self.optim_cfg, self.trainer_cfg, self.partial_step = optim_cfg, trainer_cfg, partial_step
@@ -157,9 +159,10 @@ class Trainer:
         self.routing_share = float(plan.mesh is None or env.rank % plan.mesh.tp == 0)
 
     def optimizer_comm(self) -> Dict[str, int]:
-        """The optimizer's own collectives (Muon's gathers of sharded matrices); none for the others."""
+        """The optimizer's own collectives (Muon's gathers of sharded matrices; the float8 all-gather's scales,
+        agreed after each update); none for the others."""
         comm = getattr(self.optimizer, "comm", None)
-        return comm() if comm is not None else {}
+        return {**(comm() if comm is not None else {}), **(self.scales.comm() if self.scales is not None else {})}
 
     def train_step(self, batches: List[Any], window: Window, step: int,
                    stop_requested: Callable[[], bool] = lambda: False, data_time_s: float = 0.0,

@@ -28,6 +28,7 @@ import os
 import pytest
 
 from dist_trainer.config import ConfigError, Fp8Config, TPConfig, validate
+from dist_trainer.plan import plan_numbers
 from helpers import SCALE_TOL, assert_all_close_scaled, job_record, record_steps, run_jobs, scaled_error, set_floor
 from test_accumulation import GLOBAL, STEPS, gpt_config, in_one_process, launch_clean
 
@@ -35,11 +36,11 @@ pytest.importorskip("torchao.float8", reason="torchao is in the test extra: pip 
 
 
 def _config(micro: int, precision: str = "fp8-rowwise", strategy: str = "ddp", accum_sync: str = "last",
-            pow2: bool = True, steps: int = STEPS, compute: str = "fp32"):
+            pow2: bool = True, steps: int = STEPS, compute: str = "fp32", all_gather: bool = False):
     cfg = gpt_config(micro)
     cfg.model = {**cfg.model, "n_layer": 2}
-    cfg.precision = dataclasses.replace(cfg.precision, name=precision, fp8=Fp8Config(pow2_scales=pow2,
-                                                                                     compute=compute))
+    cfg.precision = dataclasses.replace(cfg.precision, name=precision,
+                                        fp8=Fp8Config(pow2_scales=pow2, compute=compute, all_gather=all_gather))
     cfg.dist = dataclasses.replace(cfg.dist, strategy=strategy,
                                    fsdp=dataclasses.replace(cfg.dist.fsdp, accum_sync=accum_sync))
     cfg.trainer = dataclasses.replace(cfg.trainer, max_steps=steps)
@@ -65,11 +66,16 @@ CASES["fp8-rowwise-nan"].optim = dataclasses.replace(CASES["fp8-rowwise-nan"].op
 # over bf16 compute (bf16-master's weights): each micro-batch's gradients rounded to bf16, as bf16-master's are
 CASES["fp8-rowwise-bf16-ddp"] = _config(4, compute="bf16")
 CASES["fp8-rowwise-bf16-fsdp"] = _config(4, strategy="fsdp", compute="bf16")
+# FSDP2's float8 all-gather (tensorwise), its scales agreed before the cast: ddp's numbers, in fewer bytes
+for _sync in ("last", "every"):
+    CASES[f"fp8-tensorwise-ag-fsdp-{_sync}"] = _config(4, "fp8-tensorwise", "fsdp", _sync, all_gather=True)
+CASES["fp8-tensorwise-ag-bf16-fsdp"] = _config(4, "fp8-tensorwise", "fsdp", compute="bf16", all_gather=True)
 REFERENCES = {r: _config(GLOBAL, r) for r in RECIPES}
 REFERENCES["fp8-tensorwise-no-pow2"] = _config(GLOBAL, "fp8-tensorwise", pow2=False)
 # one process under fsdp, as its gradients are FP32 (under ddp the bf16 model's .grad is not the step's: its
 # masters' are)
 REFERENCES["fp8-rowwise-bf16"] = _config(GLOBAL, strategy="fsdp", compute="bf16")
+REFERENCES["fp8-tensorwise-ag-bf16"] = _config(GLOBAL, "fp8-tensorwise", "fsdp", compute="bf16", all_gather=True)
 HALF_TOL = 3e-2  # bf16's rounding of a gradient, relative to its scale (test_master_weights' bound)
 
 
@@ -98,7 +104,7 @@ def _reference(one: dict, name: str) -> dict:
     return job_record(one, name[:-len("-fsdp-every")] if name.endswith("every") else name.rsplit("-", 1)[0])
 
 
-@pytest.mark.parametrize("name", [n for n in CASES if not any(k in n for k in ("no-pow2", "bf16", "nan"))])
+@pytest.mark.parametrize("name", [n for n in CASES if not any(k in n for k in ("no-pow2", "bf16", "nan", "-ag-"))])
 def test_power_of_two_scales_keep_the_split_invariant(runs, name):
     one, two = runs
     ref = _reference(one, name)
@@ -118,10 +124,10 @@ def test_power_of_two_scales_keep_the_split_invariant(runs, name):
                                 f"{name} rank {rank} weights after step 3")
 
 
-@pytest.mark.parametrize("name", ["fp8-rowwise-bf16-ddp", "fp8-rowwise-bf16-fsdp"])
+@pytest.mark.parametrize("name", ["fp8-rowwise-bf16-ddp", "fp8-rowwise-bf16-fsdp", "fp8-tensorwise-ag-bf16-fsdp"])
 def test_over_bf16_compute_the_split_holds_to_bf16s_rounding(runs, name):
     one, two = runs
-    ref = job_record(one, "fp8-rowwise-bf16")
+    ref = job_record(one, name[:-len("-fsdp")] if "-ag-" in name else "fp8-rowwise-bf16")
     for rank, results in enumerate(two):
         got = job_record(results, name)
         assert len(got["converted"]) == 2 * 6
@@ -183,6 +189,29 @@ def test_float8_trains_as_fp32_does():
     assert fp8["outcomes"][-1]["loss"] < fp8["outcomes"][0]["loss"] - 0.05  # and it trained
 
 
+@pytest.mark.parametrize("name", ["fp8-tensorwise-ag-fsdp-last", "fp8-tensorwise-ag-fsdp-every"])
+def test_the_float8_all_gather_equals_ddp_and_plan_mode(runs, name):
+    """Each rank casts its shard with the whole weight's power-of-two scale, agreed in one all-reduce after each
+    update: the gathered float8 weight is ddp's, so every number equals ddp's (measured: to the bit), in the bytes
+    plan mode predicts (a byte a float8 element), fewer than without it."""
+    two = runs[1]
+    cfg = CASES[name]
+    step = plan_numbers(cfg, validate(cfg, 2))["step"]
+    for rank, results in enumerate(two):
+        got, ddp = job_record(results, name), job_record(results, "fp8-tensorwise-ddp")
+        plain = job_record(results, "fp8-tensorwise-fsdp" + ("-every" if name.endswith("every") else ""))
+        for number, (a, b) in enumerate(zip(got["outcomes"], ddp["outcomes"]), 1):
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and \
+                a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6), (name, number)
+            # the scales: once at the first forward, then after each update (in the step that makes it)
+            assert a["comm"]["fp8_scale_allreduces"] == (2 if number == 1 else 1), (name, number)
+            if number > 1:
+                assert {k: a["comm"].get(k, 0) for k in step} == step, (name, rank, number)
+        assert got["outcomes"][-1]["comm"]["all_gather_bytes"] < plain["outcomes"][-1]["comm"]["all_gather_bytes"]
+        assert_all_close_scaled(got["grads"][0], ddp["grads"][0], f"{name} rank {rank} gradients of step 1", 1e-6)
+        assert_all_close_scaled(got["params"][0], ddp["params"][0], f"{name} rank {rank} weights after step 3", 1e-6)
+
+
 # ------------------------------------------------------------------------------------------ refused
 
 @pytest.mark.parametrize("change,match", [
@@ -197,7 +226,7 @@ def test_what_is_not_supported_yet_names_the_key(change, match):
 
 @pytest.mark.parametrize("fp8,match", [
     (Fp8Config(pow2_scales=False), r"precision\.fp8\.pow2_scales=false: fp8-rowwise's scales"),
-    (Fp8Config(all_gather=True), r"precision\.fp8\.all_gather=true is not supported yet"),
+    (Fp8Config(all_gather=True), r"precision\.fp8\.all_gather=true with precision\.name=fp8-rowwise: FSDP2's"),
     (Fp8Config(filter="head"), r"precision\.fp8\.filter='head'"),
 ])
 def test_bad_fp8_keys_name_the_key(fp8, match):
@@ -205,6 +234,13 @@ def test_bad_fp8_keys_name_the_key(fp8, match):
     cfg.precision = dataclasses.replace(cfg.precision, fp8=fp8)
     with pytest.raises(ConfigError, match="^" + match):
         validate(cfg, 1)
+
+
+def test_the_float8_all_gather_needs_fsdp():
+    cfg = _config(4, "fp8-tensorwise", all_gather=True)  # ddp gathers nothing
+    with pytest.raises(ConfigError, match=r"^precision\.fp8\.all_gather=true gathers FSDP's shards in float8; "
+                                          r"dist\.strategy=ddp"):
+        validate(cfg, 2)
 
 
 def test_the_filter_keeps_what_it_names():
@@ -223,21 +259,24 @@ def test_the_filter_keeps_what_it_names():
 # ------------------------------------------------------------------------------------------ checkpoints
 
 @pytest.mark.slow  # two torchrun jobs and a resume: CI's slow stage
-def test_resume_is_bit_identical_and_the_export_is_the_plain_models(tmp_path):
+@pytest.mark.parametrize("mode", [["precision=fp8-rowwise"],
+                                  ["precision=fp8-tensorwise", "precision.fp8.all_gather=true"]])
+def test_resume_is_bit_identical_and_the_export_is_the_plain_models(tmp_path, mode):
     """2 ranks under fsdp with float8 linears stopped at step 2 and resumed end bit-identical to the uninterrupted
-    run (torchao's scales are dynamic: nothing of theirs to save); final_model.pt holds the plain GPT's keys, which
-    the plain GPT loads."""
+    run (torchao's scales are dynamic: nothing of theirs to save; the float8 all-gather's are agreed again at the
+    resumed run's first forward); final_model.pt holds the plain GPT's keys and plain tensors, which the plain GPT
+    loads."""
     from dist_trainer.models import GPT
     from test_checkpoint import TINY, assert_bit_identical, final_params, run, run_all
 
-    job = TINY + ["precision=fp8-rowwise", "precision.fp8.compute=fp32", "optim.schedule=constant",
+    job = TINY + mode + ["precision.fp8.compute=fp32", "optim.schedule=constant",
                   "optim.warmup_steps=0", "batch.global_batch_size=16", "batch.micro_batch_size=4",
                   "trainer.ckpt_every=2", "dist.strategy=fsdp"]
     ref, half = tmp_path / "ref", tmp_path / "half"
     first = run_all([(job + ["trainer.max_steps=3", f"hydra.run.dir={ref}"], 2),
                      (job + ["trainer.max_steps=2", f"hydra.run.dir={half}"], 2)], tmp_path)
     assert all(p.returncode == 0 for p in first), first[0].output[-3000:] + first[1].output[-3000:]
-    assert "precision fp8-rowwise: 6 linears in float8" in first[0].output  # the start-up line: 1 block, no head
+    assert f"{mode[0][len('precision='):]}: 6 linears in float8" in first[0].output  # the start-up line: no head
     resumed = run(job + ["trainer.max_steps=3", f"hydra.run.dir={half}"], tmp_path, nproc=2)
     assert resumed.returncode == 0, resumed.output[-3000:]
     assert_bit_identical(half, ref)
