@@ -256,7 +256,8 @@ class Mode:
         plan = validate(cfg, world)
         self.parts = build(cfg, plan, env)
         self.trainer = self.parts.trainer
-        self.plan_state_mb = plan_numbers(cfg, plan, self.trainer.module)["state_mb"]
+        numbers = plan_numbers(cfg, plan, self.trainer.module)
+        self.plan_state_mb, self.plan_step = numbers["state_mb"], numbers["step"] or {}
         self.batches = self._batches()
         self.step, self.last = 0, None  # steps taken, the last one's outcome
 

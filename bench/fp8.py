@@ -12,15 +12,18 @@ times below measure the emulation's cost on this CPU, never a speed of float8: o
 
 What runs: the default job (conf/model/gpt.yaml: 4 blocks x 128 wide, data char_text, global 64 x 64 bytes, micro
 16, accum 2) on 2 gloo ranks, under ddp and fsdp, in each precision: fp32, bf16-master (the ratios' base),
-fp8-rowwise, fp8-rowwise-gw-hp and fp8-tensorwise over ``precision.fp8.compute=bf16`` (the default: bf16 weights,
-autocast, FP32 masters), and fp8-rowwise over ``compute=fp32``. Every mode is built once, as
+fp8-rowwise, fp8-rowwise-gw-hp, fp8-tensorwise and fp8-mxfp8 over ``precision.fp8.compute=bf16`` (the default:
+bf16 weights, autocast, FP32 masters), fp8-rowwise over ``compute=fp32``, and under fsdp fp8-tensorwise with
+FSDP2's float8 all-gather (``precision.fp8.all_gather=true``), whose all-gather bytes a step are printed beside
+the others' and plan mode's. Every mode is built once, as
 ``dist_trainer.run.build`` builds a run, in the same two processes, and its steps are taken by
 ``Trainer.train_step`` on the run's own batches: ``--warmup`` untimed steps each, then ``--timed`` steps each, the
 modes taking turns step by step (another job's burst on the shared cores then falls on every mode alike). A step's
 time is the slowest rank's wall time of ``train_step``, the figure its median over the timed steps, as a ratio to
 bf16-master under the same strategy in the same run. ``state_mb`` is the step outcome's (parameters, gradients,
 optimizer state, FP32 masters; largest rank) beside plan mode's prediction. "emulated" is read from the built
-model's ``Float8Linear`` modules (their ``config.emulate``), not assumed.
+model's ``Float8Linear`` modules (their ``config.emulate``) and ``MXFP8Linear`` modules (their kernel preference),
+not assumed.
 
 Plan mode's line (``dist_trainer.plan.plan_report``, as ``python -m dist_trainer precision=... plan.only=true``
 prints it) is printed for each float8 mode first, in this process, before any rank starts.
@@ -53,12 +56,18 @@ PRECISIONS = {  # name: the overrides that choose it (conf/precision/*.yaml and 
     "fp8-rowwise": ["precision=fp8-rowwise"],
     "fp8-rowwise-gw-hp": ["precision=fp8-rowwise-gw-hp"],
     "fp8-tensorwise": ["precision=fp8-tensorwise"],
+    "fp8-mxfp8": ["precision=fp8-mxfp8"],
     "fp8-rowwise, compute fp32": ["precision=fp8-rowwise", "precision.fp8.compute=fp32"],
+    "fp8-tensorwise, float8 all-gather": ["precision=fp8-tensorwise", "precision.fp8.all_gather=true"],
 }
+FSDP_ONLY = {"fp8-tensorwise, float8 all-gather"}  # FSDP's all-gather: nothing to gather under ddp
 STRATEGIES = {"ddp": [], "fsdp": ["dist.strategy=fsdp"]}
+
+
 def modes(strategies: list) -> dict:
     """'strategy / precision': overrides, bf16-master's run among them under each strategy (the ratios' base)."""
-    return {f"{s} / {p}": STRATEGIES[s] + PRECISIONS[p] for s in strategies for p in PRECISIONS}
+    return {f"{s} / {p}": STRATEGIES[s] + PRECISIONS[p] for s in strategies for p in PRECISIONS
+            if s == "fsdp" or p not in FSDP_ONLY}
 
 
 def plan_lines() -> dict:
@@ -67,7 +76,7 @@ def plan_lines() -> dict:
 
     lines = {}
     for name, keys in PRECISIONS.items():
-        if "fp8" in name:
+        if "fp8" in name and name not in FSDP_ONLY:
             report = plan_report(compose(keys), WORLD)
             lines[name] = next(line.strip() for line in report.splitlines() if "linears in float8" in line)
     return lines
@@ -80,11 +89,13 @@ class Mode(common.Mode):
         super().__init__(overrides, env, WORLD)
 
     def float8(self) -> tuple:
-        """(linears converted to Float8Linear, how many of them emulate float8) in the built model."""
-        from torchao.float8.float8_linear import Float8Linear
+        """(linears converted to Float8Linear or MXFP8Linear, how many of them emulate float8) in the built
+        model."""
+        from dist_trainer.fp8 import converted
 
-        linears = [m for m in self.trainer.module.modules() if isinstance(m, Float8Linear)]
-        return len(linears), sum(bool(m.config.emulate) for m in linears)
+        linears = [self.trainer.module.get_submodule(name) for name in converted(self.trainer.module)]
+        return len(linears), sum(bool(m.config.emulate) if hasattr(m, "config") else
+                                 m.kernel_preference.name == "EMULATED" for m in linears)
 
 
 def _rank(rank: int, store: str, out: str, strategies: list, warmup: int, timed: int) -> None:
@@ -103,7 +114,8 @@ def _rank(rank: int, store: str, out: str, strategies: list, warmup: int, timed:
         converted, emulated = run.float8()
         record[name] = {"step": common.slowest(steps[name]), "loss": run.last.loss, "state_mb": run.last.state_mb,
                         "plan_state_mb": run.plan_state_mb, "steps": run.step, "float8_linears": converted,
-                        "emulated_linears": emulated}
+                        "emulated_linears": emulated, "all_gather_bytes": run.last.comm.get("all_gather_bytes", 0),
+                        "plan_all_gather_bytes": run.plan_step.get("all_gather_bytes", 0)}
     if rank == 0:
         Path(out).write_text(json.dumps(record))
     del runs
@@ -123,8 +135,8 @@ def step_part(strategies: list, warmup: int, timed: int) -> dict:
                            start_method="spawn")
         record = json.loads(Path(out).read_text())
     print(f"\n| strategy | precision | float8 linears (emulated) | step (ms) | vs {BASE_MODE} | state_mb (plan) | "
-          f"vs {BASE_MODE} | loss at step {warmup + timed} |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"vs {BASE_MODE} | FSDP all-gather MiB a step (plan) | loss at step {warmup + timed} |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, rec in record.items():
         strategy, precision = name.split(" / ")
         base = record[f"{strategy} / {BASE_MODE}"]
@@ -132,6 +144,7 @@ def step_part(strategies: list, warmup: int, timed: int) -> dict:
         float8 = f"{rec['float8_linears']} ({rec['emulated_linears']})" if rec["float8_linears"] else "0"
         print(f"| {strategy} | {precision} | {float8} | {step * 1e3:.1f} | {step / base_step:.2f}x | "
               f"{rec['state_mb']:.3f} ({rec['plan_state_mb']:.3f}) | {rec['state_mb'] / base['state_mb']:.2f}x | "
+              f"{rec['all_gather_bytes'] / 2**20:.3f} ({rec['plan_all_gather_bytes'] / 2**20:.3f}) | "
               f"{rec['loss']:.4f} |")
     return record
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Tuple
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-master", "fp16-master", "fp8-rowwise", "fp8-rowwise-gw-hp",
-              "fp8-tensorwise")
+              "fp8-tensorwise", "fp8-mxfp8")
 
 
 def master_mode(precision: "PrecisionConfig") -> bool:

@@ -1,5 +1,6 @@
-"""FP8 mixed precision (``precision=fp8-rowwise``, ``fp8-rowwise-gw-hp``, ``fp8-tensorwise``): the linear layers'
-matmuls in float8 through torchao, over bf16 compute with FP32 master weights (``bf16-master``'s weights, optimizer
+"""FP8 mixed precision (``precision=fp8-rowwise``, ``fp8-rowwise-gw-hp``, ``fp8-tensorwise``, ``fp8-mxfp8``): the
+linear layers' matmuls in float8 through torchao (Float8Linear's recipes; MXFP8Linear's blocks of 32 elements with
+power-of-two scales for ``fp8-mxfp8``), over bf16 compute with FP32 master weights (``bf16-master``'s weights, optimizer
 and all-reduce; ``precision.fp8.compute=bf16``, the default) or over FP32 weights without autocast (``fp32``).
 
 Scaling decides whether the one-big-batch promise survives. torchao's scales are dynamic (from each tensor's
@@ -19,7 +20,9 @@ On a CPU (or a GPU without float8 matmuls) torchao emulates them (``precision.fp
 are float8's, the speed is not (2-5x slower than fp32 here), so CPU runs prove numbers, never speed.
 
 Which linears convert (``precision.fp8.filter``): by default all but the head and those with a dimension not a
-multiple of 16 (float8 matmuls need it); a list of name patterns (fnmatch) keeps those in bf16 instead. The
+multiple of 16 (float8 matmuls need it; 32 under MXFP8, whose blocks run along every matmul's inner dimension:
+the features forward, the micro-batch's tokens for the weight's gradient, so a micro-batch's tokens must be a
+multiple of 32 too, checked at validation and at each forward); a list of name patterns (fnmatch) keeps those in bf16 instead. The
 start-up line and plan mode print what converts and why each other linear stays.
 """
 
@@ -34,25 +37,29 @@ from torch import nn
 from .config import ConfigError, Fp8Config
 
 # precision.name -> torchao's recipe
-RECIPES = {"fp8-rowwise": "rowwise", "fp8-rowwise-gw-hp": "rowwise_with_gw_hp", "fp8-tensorwise": "tensorwise"}
+RECIPES = {"fp8-rowwise": "rowwise", "fp8-rowwise-gw-hp": "rowwise_with_gw_hp", "fp8-tensorwise": "tensorwise",
+           "fp8-mxfp8": "mxfp8"}
 MULTIPLE = 16  # float8 matmuls need both dimensions a multiple of this
+MX_BLOCK = 32  # MXFP8's blocks: 32 elements share a power-of-two (E8M0) scale, along every matmul's inner dimension
 HEADS = ("head", "lm_head")  # the output head: its logits' precision decides the loss's, kept in bf16 by default
 
 
-def kept(name: str, module: nn.Linear, cfg: Fp8Config) -> Optional[str]:
-    """Why the linear ``name`` stays in bf16, or None where it converts to float8."""
+def kept(name: str, module: nn.Linear, cfg: Fp8Config, multiple: int = MULTIPLE) -> Optional[str]:
+    """Why the linear ``name`` stays in bf16, or None where it converts to float8 (``multiple``: what its
+    dimensions must divide by, MX_BLOCK under MXFP8)."""
     if cfg.filter is not None:
         return "precision.fp8.filter" if any(fnmatch.fnmatchcase(name, p) for p in cfg.filter) else None
     if name.rpartition(".")[2] in HEADS:
         return "the head"
-    if module.in_features % MULTIPLE or module.out_features % MULTIPLE:
-        return f"a dimension not a multiple of {MULTIPLE} ({module.in_features} x {module.out_features})"
+    if module.in_features % multiple or module.out_features % multiple:
+        return f"a dimension not a multiple of {multiple} ({module.in_features} x {module.out_features})"
     return None
 
 
-def plan(model: nn.Module, cfg: Fp8Config) -> Dict[str, Optional[str]]:
-    """Every linear of ``model`` by name: None (converts) or why it stays in bf16."""
-    return {name: kept(name, m, cfg) for name, m in model.named_modules() if type(m) is nn.Linear}
+def plan(model: nn.Module, cfg: Fp8Config, name: str = "fp8-rowwise") -> Dict[str, Optional[str]]:
+    """Every linear of ``model`` by name: None (converts) or why it stays in bf16, under the mode ``name``."""
+    multiple = MX_BLOCK if name == "fp8-mxfp8" else MULTIPLE
+    return {n: kept(n, m, cfg, multiple) for n, m in model.named_modules() if type(m) is nn.Linear}
 
 
 def gathered_in_float8(model: nn.Module, precision: Any) -> Set[int]:
@@ -68,10 +75,12 @@ def gathered_in_float8(model: nn.Module, precision: Any) -> Set[int]:
 
 def describe(model: nn.Module, cfg: Fp8Config, name: str) -> str:
     """The start-up and plan-mode line: what converts, what stays and why."""
-    linears = plan(model, cfg)
+    linears = plan(model, cfg, name)
     converted = [n for n, why in linears.items() if why is None]
     stays = "; ".join(f"{n} ({why})" for n, why in linears.items() if why is not None) or "none"
-    return (f"{name}: {len(converted)} of {len(linears)} linears in float8 (torchao recipe {RECIPES[name]}, "
+    how = (f"torchao MXFP8Linear: blocks of {MX_BLOCK}" if name == "fp8-mxfp8" else
+           f"torchao recipe {RECIPES[name]}")
+    return (f"{name}: {len(converted)} of {len(linears)} linears in float8 ({how}, "
             f"power-of-two scales {'on' if cfg.pow2_scales else 'off: split-dependent'}); kept in {cfg.compute}: "
             f"{stays}")
 
@@ -100,6 +109,15 @@ def convert(model: nn.Module, cfg: Fp8Config, name: str, device_type: str) -> nn
     """The model with its chosen linears swapped for torchao's Float8Linear, in place (parameters, names and
     state_dict keys unchanged)."""
     float8 = import_torchao(name)
+    linears = plan(model, cfg, name)
+    if name == "fp8-mxfp8":
+        from torchao.quantization.quantize_.common import KernelPreference
+
+        preference = KernelPreference.EMULATED if emulated(cfg, device_type) else KernelPreference.AUTO
+        for fqn, why in linears.items():
+            if why is None:
+                _to_mx(model.get_submodule(fqn), preference)
+        return model
     Float8LinearConfig, convert_to_float8_training = float8.Float8LinearConfig, float8.convert_to_float8_training
     config = Float8LinearConfig.from_recipe_name(RECIPES[name])
     # the recipe's own config, with emulation where there is no float8 hardware and the scales rounded to
@@ -107,7 +125,6 @@ def convert(model: nn.Module, cfg: Fp8Config, name: str, device_type: str) -> nn
     config = dataclasses.replace(config, emulate=emulated(cfg, device_type),
                                  round_scales_to_power_of_2=cfg.pow2_scales,
                                  enable_fsdp_float8_all_gather=cfg.all_gather)
-    linears = plan(model, cfg)
     convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: linears.get(fqn, "") is None)
     return model
 
@@ -172,19 +189,70 @@ class ScaleSync:
 COMM_KEYS = ("fp8_scale_allreduces", "fp8_scale_allreduce_bytes")
 
 
+_MX_CLASS: List[type] = []
+
+
+def _mx_class() -> type:
+    """torchao's MXFP8Linear, with its input cast to its weight's dtype: its matmul is outside autocast and
+    needs both in one dtype (under bf16 compute a norm's output may be FP32)."""
+    if not _MX_CLASS:
+        from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+
+        class MXLinear(MXFP8Linear):
+            def forward(self, input: Any) -> Any:
+                tokens = input.numel() // max(input.shape[-1], 1)
+                if tokens % MX_BLOCK:  # torchao's own error is an assertion deep in the backward
+                    raise ConfigError(f"precision=fp8-mxfp8: a micro-batch of {tokens} tokens, not a multiple of "
+                                      f"{MX_BLOCK} (MXFP8 blocks the weight gradient along the tokens): make "
+                                      "batch.micro_batch_size x data.block_size a multiple of it, for a smaller "
+                                      "last micro-batch too (data.block_size a multiple of it)")
+                return super().forward(input.to(self.weight.dtype))
+
+        _MX_CLASS.append(MXLinear)
+    return _MX_CLASS[0]
+
+
+def _to_mx(linear: nn.Linear, preference: Any) -> None:
+    """The Linear made torchao's MXFP8Linear in place: its parameters (bias included: MXFP8Linear adds it after
+    the matmul, where torchao's quantize_ route drops it), hooks and names stay. MXFP8Linear's own state is the
+    three attributes set here; its blocks' scales are powers of two (E8M0), rounded up (RCEIL)."""
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+
+    linear.__class__ = _mx_class()
+    linear.kernel_preference, linear.scale_calculation_mode = preference, ScaleCalculationMode.RCEIL
+    linear.wgrad_with_hp = False  # the weight gradient in MXFP8 too, blocked along the micro-batch's tokens
+
+
 def converted(model: nn.Module) -> List[str]:
-    """Names of the modules that compute in float8 (Float8Linear)."""
+    """Names of the modules that compute in float8 (Float8Linear, MXFP8Linear)."""
     from torchao.float8.float8_linear import Float8Linear
 
-    return [n for n, m in model.named_modules() if isinstance(m, Float8Linear)]
+    classes = (Float8Linear, *_MX_CLASS)
+    return [n for n, m in model.named_modules() if isinstance(m, classes)]
 
 
 def describe_converted(model: nn.Module, name: str) -> str:
     """The start-up line, from the converted model: what runs in float8, what stays a Linear."""
     done = converted(model)
     stays = [n for n, m in model.named_modules() if type(m) is nn.Linear]
-    return (f"{name}: {len(done)} linears in float8 (torchao recipe {RECIPES[name]}); kept out of float8: "
+    how = (f"torchao MXFP8Linear: blocks of {MX_BLOCK}" if name == "fp8-mxfp8" else
+           f"torchao recipe {RECIPES[name]}")
+    return (f"{name}: {len(done)} linears in float8 ({how}); kept out of float8: "
             + (", ".join(stays) or "none"))
+
+
+def _check_mx_tokens(cfg: Any) -> None:
+    """MXFP8's weight gradient takes blocks of MX_BLOCK tokens: a micro-batch's tokens must fill them."""
+    micro = cfg.batch.micro_batch_size
+    model = cfg.model if isinstance(cfg.model, dict) else {}
+    block = cfg.data.get("block_size") or model.get("block_size")
+    if micro == "auto":
+        raise ConfigError("precision=fp8-mxfp8 with batch.micro_batch_size=auto: MXFP8 needs a micro-batch's tokens "
+                          f"a multiple of {MX_BLOCK}; set batch.micro_batch_size to a number")
+    if isinstance(block, int) and (micro * block) % MX_BLOCK:
+        raise ConfigError(f"precision=fp8-mxfp8: batch.micro_batch_size={micro} x data.block_size={block} = "
+                          f"{micro * block} tokens a micro-batch, not a multiple of {MX_BLOCK} (MXFP8 blocks the "
+                          "weight gradient along the tokens): change batch.micro_batch_size or data.block_size")
 
 
 def check(cfg: Any) -> None:
@@ -208,6 +276,8 @@ def check(cfg: Any) -> None:
             raise ConfigError(f"precision.name={p.name} with dist.{key}.size={size} is not supported yet (float8 "
                               f"linears run under ddp, fsdp, hsdp and pipeline stages): set dist.{key}.size=1 or "
                               "precision=bf16-master")
+    if p.name == "fp8-mxfp8":
+        _check_mx_tokens(cfg)
     if p.fp8.all_gather:
         if p.name != "fp8-tensorwise":
             raise ConfigError(f"precision.fp8.all_gather=true with precision.name={p.name}: FSDP2's float8 "

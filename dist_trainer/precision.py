@@ -21,7 +21,8 @@ from .config import LossScaleConfig, PrecisionConfig, master_mode
 AUTOCAST_DTYPES = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16,
                    "bf16-master": torch.bfloat16, "fp16-master": torch.float16,
                    # float8 matmuls inside bf16 compute (dist_trainer/fp8.py)
-                   "fp8-rowwise": torch.bfloat16, "fp8-rowwise-gw-hp": torch.bfloat16, "fp8-tensorwise": torch.bfloat16}
+                   "fp8-rowwise": torch.bfloat16, "fp8-rowwise-gw-hp": torch.bfloat16, "fp8-tensorwise": torch.bfloat16,
+                   "fp8-mxfp8": torch.bfloat16}
 NORM_LAYERS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.LayerNorm,
                nn.GroupNorm, nn.RMSNorm, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 

@@ -29,16 +29,19 @@ import pytest
 
 from dist_trainer.config import ConfigError, Fp8Config, TPConfig, validate
 from dist_trainer.plan import plan_numbers
-from helpers import SCALE_TOL, assert_all_close_scaled, job_record, record_steps, run_jobs, scaled_error, set_floor
+from helpers import SCALE_TOL, assert_all_close_scaled, assert_close_scaled, job_record, record_steps, run_jobs, scaled_error, set_floor
 from test_accumulation import GLOBAL, STEPS, gpt_config, in_one_process, launch_clean
 
 pytest.importorskip("torchao.float8", reason="torchao is in the test extra: pip install -e '.[test]'")
 
 
 def _config(micro: int, precision: str = "fp8-rowwise", strategy: str = "ddp", accum_sync: str = "last",
-            pow2: bool = True, steps: int = STEPS, compute: str = "fp32", all_gather: bool = False):
+            pow2: bool = True, steps: int = STEPS, compute: str = "fp32", all_gather: bool = False,
+            width: int = 0):
     cfg = gpt_config(micro)
-    cfg.model = {**cfg.model, "n_layer": 2}
+    # MXFP8 converts linears whose dimensions are multiples of 32: width 32 (a micro-batch of 4 is 96 tokens)
+    width = width or (32 if precision == "fp8-mxfp8" else cfg.model["n_embd"])
+    cfg.model = {**cfg.model, "n_layer": 2, "n_embd": width}
     cfg.precision = dataclasses.replace(cfg.precision, name=precision,
                                         fp8=Fp8Config(pow2_scales=pow2, compute=compute, all_gather=all_gather))
     cfg.dist = dataclasses.replace(cfg.dist, strategy=strategy,
@@ -47,7 +50,7 @@ def _config(micro: int, precision: str = "fp8-rowwise", strategy: str = "ddp", a
     return cfg
 
 
-RECIPES = ("fp8-rowwise", "fp8-rowwise-gw-hp", "fp8-tensorwise")
+RECIPES = ("fp8-rowwise", "fp8-rowwise-gw-hp", "fp8-tensorwise", "fp8-mxfp8")
 CASES = {f"{r}-{s}": _config(4, r, "fsdp" if s.startswith("fsdp") else "ddp", "every" if s == "fsdp-every" else "last")
          for r in RECIPES for s in ("ddp", "fsdp", "fsdp-every")}
 CASES["fp8-tensorwise-no-pow2-ddp"] = _config(4, "fp8-tensorwise", pow2=False)
@@ -66,6 +69,7 @@ CASES["fp8-rowwise-nan"].optim = dataclasses.replace(CASES["fp8-rowwise-nan"].op
 # over bf16 compute (bf16-master's weights): each micro-batch's gradients rounded to bf16, as bf16-master's are
 CASES["fp8-rowwise-bf16-ddp"] = _config(4, compute="bf16")
 CASES["fp8-rowwise-bf16-fsdp"] = _config(4, strategy="fsdp", compute="bf16")
+CASES["fp8-mxfp8-bf16-fsdp"] = _config(4, "fp8-mxfp8", "fsdp", compute="bf16")
 # FSDP2's float8 all-gather (tensorwise), its scales agreed before the cast: ddp's numbers, in fewer bytes
 for _sync in ("last", "every"):
     CASES[f"fp8-tensorwise-ag-fsdp-{_sync}"] = _config(4, "fp8-tensorwise", "fsdp", _sync, all_gather=True)
@@ -75,8 +79,14 @@ REFERENCES["fp8-tensorwise-no-pow2"] = _config(GLOBAL, "fp8-tensorwise", pow2=Fa
 # one process under fsdp, as its gradients are FP32 (under ddp the bf16 model's .grad is not the step's: its
 # masters' are)
 REFERENCES["fp8-rowwise-bf16"] = _config(GLOBAL, strategy="fsdp", compute="bf16")
+REFERENCES["fp8-mxfp8-bf16"] = _config(GLOBAL, "fp8-mxfp8", "fsdp", compute="bf16")
 REFERENCES["fp8-tensorwise-ag-bf16"] = _config(GLOBAL, "fp8-tensorwise", "fsdp", compute="bf16", all_gather=True)
 HALF_TOL = 3e-2  # bf16's rounding of a gradient, relative to its scale (test_master_weights' bound)
+# MXFP8 against fp32 at width 32 (its linears' dimensions must be multiples of 32): measured 0.109, on the
+# attention's q and k weights, whose gradients are 1e-3 of the others'; rowwise's gradients at width 32 are the
+# same to 7e-7 (power-of-two scales: grouping a row into blocks of 32 changes exponents only)
+MX_FP32_TOL = 1.5e-1
+MX_HALF_TOL = 5e-2  # MXFP8 over bf16 compute: each micro-batch's weight gradient leaves the matmul in bf16 (3.4e-2)
 
 
 def _run_job(env, world_size: int, name: str, cfg) -> dict:
@@ -124,19 +134,21 @@ def test_power_of_two_scales_keep_the_split_invariant(runs, name):
                                 f"{name} rank {rank} weights after step 3")
 
 
-@pytest.mark.parametrize("name", ["fp8-rowwise-bf16-ddp", "fp8-rowwise-bf16-fsdp", "fp8-tensorwise-ag-bf16-fsdp"])
+@pytest.mark.parametrize("name", ["fp8-rowwise-bf16-ddp", "fp8-rowwise-bf16-fsdp", "fp8-tensorwise-ag-bf16-fsdp",
+                                  "fp8-mxfp8-bf16-fsdp"])
 def test_over_bf16_compute_the_split_holds_to_bf16s_rounding(runs, name):
     one, two = runs
-    ref = job_record(one, name[:-len("-fsdp")] if "-ag-" in name else "fp8-rowwise-bf16")
+    ref = job_record(one, name[:-len("-fsdp")] if name.endswith("bf16-fsdp") else "fp8-rowwise-bf16")
+    tol = MX_HALF_TOL if "mxfp8" in name else HALF_TOL
     for rank, results in enumerate(two):
         got = job_record(results, name)
         assert len(got["converted"]) == 2 * 6
         for step, (a, b) in enumerate(zip(got["outcomes"], ref["outcomes"]), 1):
-            assert not a["skipped"] and a["loss"] == pytest.approx(b["loss"], rel=HALF_TOL), (name, step)
-            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=HALF_TOL), (name, step)
+            assert not a["skipped"] and a["loss"] == pytest.approx(b["loss"], rel=tol), (name, step)
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=tol), (name, step)
         if name.endswith("fsdp"):  # step 1's gradients (AdamW moves a rounding-noise element by up to lr after)
             assert_all_close_scaled(got["grads"][0], ref["grads"][0], f"{name} rank {rank} gradients of step 1",
-                                    HALF_TOL)
+                                    tol)
 
 
 def test_a_non_finite_float8_gradient_skips_the_step_on_every_rank(runs):
@@ -167,9 +179,9 @@ def test_state_dict_keys_are_the_plain_models(runs):
 
 # ------------------------------------------------------------------------------------------ accuracy
 
-def _one_process(precision: str, steps: int) -> dict:
-    return job_record(in_one_process(_worker_steps, [(precision, _config(GLOBAL, precision, steps=steps), steps)]),
-                      precision)
+def _one_process(precision: str, steps: int, width: int = 0) -> dict:
+    cfg = _config(GLOBAL, precision, steps=steps, width=width)
+    return job_record(in_one_process(_worker_steps, [(precision, cfg, steps)]), precision)
 
 
 def _steps_job(env, world_size: int, name: str, cfg, steps: int) -> dict:
@@ -180,11 +192,13 @@ def _worker_steps(rank: int, world_size: int, jobs: list) -> dict:
     return run_jobs(rank, world_size, jobs, _steps_job)
 
 
-def test_float8_trains_as_fp32_does():
-    """30 steps: float8's gradients of step 1 within 8e-2 of fp32's (the same model without float8) and its last
-    loss within 1 %."""
-    fp8, fp32 = _one_process("fp8-rowwise", 30), _one_process("fp32", 30)
-    assert_all_close_scaled(fp8["grads"][0], fp32["grads"][0], "float8 against fp32 gradients of step 1", 8e-2)
+@pytest.mark.parametrize("name,tol", [("fp8-rowwise", 8e-2), ("fp8-mxfp8", MX_FP32_TOL)])
+def test_float8_trains_as_fp32_does(name, tol):
+    """30 steps: float8's gradients of step 1 within ``tol`` of fp32's (the same model without float8) and its
+    last loss within 1 %."""
+    width = _config(GLOBAL, name).model["n_embd"]
+    fp8, fp32 = _one_process(name, 30), _one_process("fp32", 30, width)
+    assert_all_close_scaled(fp8["grads"][0], fp32["grads"][0], "float8 against fp32 gradients of step 1", tol)
     assert fp8["outcomes"][-1]["loss"] == pytest.approx(fp32["outcomes"][-1]["loss"], rel=1e-2)
     assert fp8["outcomes"][-1]["loss"] < fp8["outcomes"][0]["loss"] - 0.05  # and it trained
 
@@ -241,6 +255,43 @@ def test_the_float8_all_gather_needs_fsdp():
     with pytest.raises(ConfigError, match=r"^precision\.fp8\.all_gather=true gathers FSDP's shards in float8; "
                                           r"dist\.strategy=ddp"):
         validate(cfg, 2)
+
+
+def test_mxfp8_keeps_biases_and_refuses_partial_blocks():
+    """MXFP8Linear adds a Linear's bias after the float8 matmul (torchao's quantize_ route drops it): the converted
+    GPT with biases has the plain model's keys and parameters, and its biases train as the plain model's do; a
+    micro-batch whose tokens do not fill MXFP8's blocks of 32 is a ConfigError naming the keys, at validation and
+    at the forward (a smaller last micro-batch)."""
+    import torch
+
+    from dist_trainer.fp8 import convert, converted
+    from dist_trainer.models import GPT
+
+    torch.manual_seed(0)
+    plain = GPT(vocab_size=64, block_size=32, n_layer=1, n_head=2, n_embd=32, bias=True)
+    mx = GPT(vocab_size=64, block_size=32, n_layer=1, n_head=2, n_embd=32, bias=True)
+    mx.load_state_dict(plain.state_dict())
+    convert(mx, Fp8Config(compute="fp32"), "fp8-mxfp8", "cpu")
+    assert converted(mx) == ["blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v", "blocks.0.attn.proj",
+                             "blocks.0.mlp.fc", "blocks.0.mlp.proj"]
+    assert mx.state_dict().keys() == plain.state_dict().keys()
+    assert all(type(t) is torch.Tensor for t in mx.state_dict().values())
+    x = torch.randint(0, 64, (2, 32))
+    losses = [m({"input_ids": x, "targets": x})["loss_sum"] for m in (plain, mx)]
+    assert losses[1].item() == pytest.approx(losses[0].item(), rel=1e-2)
+    for loss in losses:
+        loss.backward()
+    for name, p in plain.named_parameters():
+        # the linears' biases: trained, as the plain model's (not k's: softmax ignores it, its gradient is noise)
+        if name.endswith("bias") and "ln" not in name and ".k." not in name:
+            assert_close_scaled(mx.get_parameter(name).grad, p.grad, f"{name} gradient", 1e-1)
+    with pytest.raises(ConfigError, match=r"^precision=fp8-mxfp8: a micro-batch of 24 tokens, not a multiple "
+                                          r"of 32"):
+        mx({"input_ids": x[:, :12], "targets": x[:, :12]})
+    cfg = _config(1, "fp8-mxfp8")  # 1 sample of data.block_size=24
+    with pytest.raises(ConfigError, match=r"^precision=fp8-mxfp8: batch\.micro_batch_size=1 x "
+                                          r"data\.block_size=24 = 24 tokens a micro-batch, not a multiple of 32"):
+        validate(cfg, 1)
 
 
 def test_the_filter_keeps_what_it_names():
