@@ -85,15 +85,16 @@ def describe(model: nn.Module, cfg: Fp8Config, name: str) -> str:
             f"{stays}")
 
 
-def emulated(cfg: Fp8Config, device_type: str) -> bool:
-    """Whether float8 matmuls are emulated: ``auto`` on a CPU, and on a GPU below compute capability 8.9."""
+def emulated(cfg: Fp8Config, device_type: str, name: str = "fp8-rowwise") -> bool:
+    """Whether float8 matmuls are emulated: ``auto`` on a CPU, and on a GPU below compute capability 8.9 (10.0 for
+    MXFP8's block-scaled matmuls, Blackwell's)."""
     if cfg.emulate != "auto":
         return bool(cfg.emulate)
     if device_type != "cuda":
         return True
     import torch
 
-    return torch.cuda.get_device_capability() < (8, 9)
+    return torch.cuda.get_device_capability() < ((10, 0) if name == "fp8-mxfp8" else (8, 9))
 
 
 def import_torchao(name: str) -> Any:
@@ -113,7 +114,7 @@ def convert(model: nn.Module, cfg: Fp8Config, name: str, device_type: str) -> nn
     if name == "fp8-mxfp8":
         from torchao.quantization.quantize_.common import KernelPreference
 
-        preference = KernelPreference.EMULATED if emulated(cfg, device_type) else KernelPreference.AUTO
+        preference = KernelPreference.EMULATED if emulated(cfg, device_type, name) else KernelPreference.AUTO
         for fqn, why in linears.items():
             if why is None:
                 _to_mx(model.get_submodule(fqn), preference)
