@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from typing import Any, Dict, List, Optional, Set
+import sys
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from torch import nn
 
@@ -62,15 +63,62 @@ def plan(model: nn.Module, cfg: Fp8Config, name: str = "fp8-rowwise") -> Dict[st
     return {n: kept(n, m, cfg, multiple) for n, m in model.named_modules() if type(m) is nn.Linear}
 
 
+def float8_linears(model: nn.Module, precision: Any) -> Dict[str, nn.Linear]:
+    """The linears that compute in float8 under ``precision`` by name, of a plain model (plan mode's: those the
+    filter converts) or a converted one (a run's)."""
+    if precision.name not in RECIPES:
+        return {}
+    classes = tuple(_MX_CLASS)
+    if "torchao.float8" in sys.modules:
+        from torchao.float8.float8_linear import Float8Linear
+
+        classes += (Float8Linear,)
+    multiple = MX_BLOCK if precision.name == "fp8-mxfp8" else MULTIPLE
+    return {name: m for name, m in model.named_modules()
+            if isinstance(m, classes) or (type(m) is nn.Linear and kept(name, m, precision.fp8, multiple) is None)}
+
+
 def gathered_in_float8(model: nn.Module, precision: Any) -> Set[int]:
-    """id() of the weights FSDP gathers in float8 (``precision.fp8.all_gather``; none otherwise), of a plain
-    model (plan mode's) or a converted one (a run's)."""
+    """id() of the weights FSDP gathers in float8 (``precision.fp8.all_gather``; none otherwise)."""
     if precision.name not in RECIPES or not precision.fp8.all_gather:
         return set()
-    from torchao.float8.float8_linear import Float8Linear
+    return {id(m.weight) for m in float8_linears(model, precision).values()}
 
-    return {id(m.weight) for name, m in model.named_modules()
-            if isinstance(m, Float8Linear) or (type(m) is nn.Linear and kept(name, m, precision.fp8) is None)}
+
+# Under tp each of torchao's six casts of a Float8Linear takes its scale from the amax of one tensor over one
+# dimension (axiswise) or all of them (tensorwise); where that spans the dimension the tp style cuts, DTensor
+# all-reduces the amax (float64). (Float8LinearConfig's key, the tensor, the dimension an axiswise amax spans,
+# cast in the forward). The weight is (out, in); input and grad_output are (tokens, features).
+CASTS = (("cast_config_input", "input", -1, True), ("cast_config_weight", "weight", -1, True),
+         ("cast_config_grad_output", "grad_output", -1, False),
+         ("cast_config_weight_for_grad_input", "weight", 0, False),
+         ("cast_config_grad_output_for_grad_weight", "grad_output", 0, False),
+         ("cast_config_input_for_grad_weight", "input", 0, False))
+CUT = {"colwise": {"weight": 0, "grad_output": -1}, "rowwise": {"input": -1, "weight": -1}}  # the cut dimension
+
+
+def tp_amax_allreduces(linear: nn.Linear, mode: str, style: str, tokens: int) -> List[Tuple[int, bool]]:
+    """One micro-batch's amax all-reduces of the float8 ``linear`` (precision ``mode``) cut ``style``-wise under
+    tp, as (bytes, in
+    the forward) each: a tensorwise amax is one float64, an axiswise one a float64 a row it keeps (the tokens
+    for input and grad_output, the other dimension for the weight)."""
+    config = recipe_config(mode)
+    done = []
+    for key, tensor, dim, forward in CASTS:
+        cast, cut = getattr(config, key), CUT.get(style, {}).get(tensor)
+        if cut is None or cast.scaling_type.name == "DISABLED":
+            continue
+        if cast.scaling_granularity.name == "TENSORWISE":
+            done.append((8, forward))
+        elif dim == cut:
+            rows = tokens if tensor != "weight" else (linear.out_features if dim == -1 else linear.in_features)
+            done.append((8 * rows, forward))
+    return done
+
+
+def recipe_config(mode: str) -> Any:
+    """torchao's Float8LinearConfig of the mode ``mode`` (its recipe's casts; emulation does not change them)."""
+    return import_torchao(mode).Float8LinearConfig.from_recipe_name(RECIPES[mode])
 
 
 def describe(model: nn.Module, cfg: Fp8Config, name: str) -> str:
@@ -272,10 +320,17 @@ def check(cfg: Any) -> None:
     if patterns is not None and not (isinstance(patterns, list) and all(isinstance(x, str) for x in patterns)):
         raise ConfigError(f"precision.fp8.filter={p.fp8.filter!r}: a list of linear name patterns kept in bf16, "
                           "or null for the default")
-    for key, size in (("tp", cfg.dist.tp.size), ("cp", cfg.dist.cp.size), ("ep", cfg.dist.ep.size)):
+    if p.name == "fp8-mxfp8" and cfg.dist.tp.size > 1:
+        raise ConfigError(f"precision=fp8-mxfp8 with dist.tp.size={cfg.dist.tp.size} is not supported yet "
+                          "(MXFP8Linear's blocks on tensor-parallel slices are not checked): set dist.tp.size=1 or a "
+                          "Float8Linear recipe (precision=fp8-rowwise, fp8-rowwise-gw-hp, fp8-tensorwise)")
+    if p.fp8.all_gather and cfg.dist.tp.size > 1:
+        raise ConfigError(f"precision.fp8.all_gather=true with dist.tp.size={cfg.dist.tp.size} is not supported "
+                          "yet (the scales of weights cut over two mesh dimensions): set precision.fp8.all_gather=false")
+    for key, size in (("cp", cfg.dist.cp.size), ("ep", cfg.dist.ep.size)):
         if size > 1:
             raise ConfigError(f"precision.name={p.name} with dist.{key}.size={size} is not supported yet (float8 "
-                              f"linears run under ddp, fsdp, hsdp and pipeline stages): set dist.{key}.size=1 or "
+                              f"linears run under ddp, fsdp, hsdp, tp and pipeline stages): set dist.{key}.size=1 or "
                               "precision=bf16-master")
     if p.name == "fp8-mxfp8":
         _check_mx_tokens(cfg)

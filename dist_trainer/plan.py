@@ -22,7 +22,7 @@ from torch import nn
 
 from .config import BatchPlan, Config, ConfigError, MeshShape, master_mode, pp_v_shape, validate
 from .data import StepPlan, build_dataset
-from .fp8 import gathered_in_float8
+from .fp8 import RECIPES, gathered_in_float8
 from .moe import routing_of
 from .moe.ep import BACKWARD_ALL_TO_ALLS, FORWARD_ALL_TO_ALLS, expert_params, moe_layers
 from .parallel.blocks import find_blocks
@@ -30,7 +30,7 @@ from .parallel.comm import COMM_KEYS as GRADIENT_COMM_KEYS
 from .parallel.cp import attention_work, expected_cp_comm, padded_length
 from .parallel.pp import held_along, pp_bubble, pp_inflight, schedule_orders
 from .activations import predicted_bytes
-from .parallel.tp import TP_COMM_KEYS, expected_tp_comm, local_shapes, norm_activation_bytes, resolve_plan
+from .parallel.tp import FP8_AMAX_KEYS, TP_COMM_KEYS, expected_tp_comm, local_shapes, norm_activation_bytes, resolve_plan
 from .precision import Precision
 from .trainer import STEP_FIXED_SLOTS
 
@@ -183,11 +183,37 @@ def expected_comm(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Pre
         counts.update(tp)
         for key, value in tp.items():
             counts[key[len("tp_"):]] += value
+        counts.update(fp8_amax_comm(cfg, plan, model, _micro_batch_tokens(cfg, plan, model)))
     counts["step_allreduces"] = 1
     counts["step_allreduce_bytes"] = step_stats_bytes(mesh.world_size)
     counts.update(moe_step_allreduces(plan, model, counts))
     counts.update(muon_comm(cfg, mesh, model))
     counts.update(fp8_scale_comm(model, cfg))
+    return counts
+
+
+def fp8_amax_comm(cfg: Config, plan: BatchPlan, model: nn.Module, tokens: int,
+                  held: Optional[Callable[[str], bool]] = None) -> Dict[str, int]:
+    """float8 linears under tp: the amax all-reduces of their casts over a cut dimension in one full step
+    (fp8.tp_amax_allreduces, each micro-batch's; a checkpointed block's forward casts again in backward).
+    ``held``: the modules that count (a stage group's). None without float8 or tp."""
+    from .fp8 import float8_linears, tp_amax_allreduces
+
+    if plan.mesh.tp == 1 or cfg.precision.name not in RECIPES:
+        return {}
+    styles = resolve_plan(model, cfg.dist.tp)
+    blocks = find_blocks(model, cfg.dist.blocks) if cfg.dist.activation_checkpointing else []
+    names = {id(m): name for name, m in model.named_modules()}
+    checkpointed = [names[id(b)] for b in blocks]
+    counts = dict.fromkeys(FP8_AMAX_KEYS, 0)
+    for name, linear in float8_linears(model, cfg.precision).items():
+        if held is not None and not held(name):
+            continue
+        again = any(name.startswith(b + ".") for b in checkpointed)
+        for nbytes, forward in tp_amax_allreduces(linear, cfg.precision.name, styles.get(name, ""), tokens):
+            times = plan.accum_steps * (2 if forward and again else 1)
+            counts[FP8_AMAX_KEYS[0]] += times
+            counts[FP8_AMAX_KEYS[1]] += times * nbytes
     return counts
 
 
@@ -452,6 +478,7 @@ def pp_expected(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
             for key, value in tp_comm(cfg, plan, model, precision, held, tokens).items():
                 counts[key] += value
                 counts[key[len("tp_"):]] += value
+            counts.update(fp8_amax_comm(cfg, plan, model, tokens, held))
         if mesh.cp > 1:  # the attention of the blocks this stage group holds
             names = {id(m): n for n, m in model.named_modules()}
             own = [b for blocks in g["blocks"] for b in blocks]
@@ -759,7 +786,7 @@ def plan_numbers(cfg: Config, plan: BatchPlan, model: Optional[nn.Module] = None
              + expert_state_bytes(cfg, experts, mesh.ep, mesh.expert_data_ranks if mesh.shards_experts else 1))
     dims = dict(COMM_DIMS["hsdp" if mesh.kind == "ddp" and mesh.tp > 1 else mesh.kind])
     if mesh.tp > 1:
-        dims.update({key: "tp" for key in TP_COMM_KEYS if not key.endswith("_bytes")})
+        dims.update({key: "tp" for key in TP_COMM_KEYS + FP8_AMAX_KEYS if not key.endswith("_bytes")})
     if muon:  # whole matrices gathered over the dimensions that cut them
         over = "tp, then shard" if mesh.tp > 1 and sharded_by_fsdp(cfg) else "tp" if mesh.tp > 1 else "shard"
         for kind in ("gathers", "scatters") if cfg.optim.muon.dist == "owner" else ("all_gathers",):
@@ -821,7 +848,7 @@ def _pp_numbers(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
     if gathered_in_float8(model, cfg.precision):
         dims["fp8_scale_allreduces"] = "shard"
     if mesh.tp > 1:
-        dims.update({key: "tp" for key in TP_COMM_KEYS if not key.endswith("_bytes")})
+        dims.update({key: "tp" for key in TP_COMM_KEYS + FP8_AMAX_KEYS if not key.endswith("_bytes")})
     if _tied_across(model):
         dims["allreduces"] = dims.get("allreduces", "replicate") + "; the tied weight's: first and last stage groups"
     if mesh.ep > 1:
@@ -859,7 +886,7 @@ def _pp_numbers(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
 
 
 def _fp8_lines(cfg: Config, plan: BatchPlan, numbers: Dict[str, Any]) -> List[str]:
-    from .fp8 import RECIPES, describe
+    from .fp8 import describe
 
     if cfg.precision.name not in RECIPES:
         return []

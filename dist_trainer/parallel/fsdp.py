@@ -362,9 +362,10 @@ class FSDPStrategy:
             counts[key] = counts.get(key, 0) + value
         counts.update(self.cp.comm())  # context parallelism's exchanges (nothing without it)
         if self.tp is not None and self.tp.counting:
-            for key, value in self.tp.counts.items():
+            for key, value in self.tp.comm().items():
                 counts[key] = value
-                counts[key[len("tp_"):]] += value
+                if key.startswith("tp_"):  # in the totals too
+                    counts[key[len("tp_"):]] += value
         return counts
 
     def consistency_tensors(self) -> List[Tuple[str, torch.Tensor]]:

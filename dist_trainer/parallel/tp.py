@@ -52,6 +52,7 @@ after the cut; both must be cut alike (head colwise, embedding rowwise).
 from __future__ import annotations
 
 import re
+import sys
 from contextlib import ExitStack
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
@@ -346,7 +347,14 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, cfg: TPConfig, blocks: List[nn.
         # lengths that cut into equal shards (unequal ones abort gloo's all-gathers with no message).
         model.register_forward_pre_hook(_pad_sequence(mesh.size()), with_kwargs=True)
     _tie_again(model, tied)
-    return TensorParallel(mesh, cfg.loss_parallel and head is not None, plan, head, count)
+    float8 = "torchao.float8" in sys.modules and _has_float8(model)  # converted before the cut (run.build)
+    return TensorParallel(mesh, cfg.loss_parallel and head is not None, plan, head, count, float8)
+
+
+def _has_float8(model: nn.Module) -> bool:
+    from torchao.float8.float8_linear import Float8Linear
+
+    return any(isinstance(m, Float8Linear) for m in model.modules())
 
 
 def _tie_again(model: nn.Module, groups: List[List[Tuple[str, str]]]) -> None:
@@ -412,7 +420,12 @@ class _CountCollectives(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func.namespace == "_c10d_functional":
             kind = self.KINDS.get(func._opname)
-            if kind is not None:
+            if kind == "allreduces" and args[0].dtype == torch.float64 and FP8_AMAX_KEYS[0] in self.counts:
+                # float8's scales: an amax over a cut dimension, reduced in float64 (torchao's casts), apart from
+                # the activations' (float32 or half)
+                self.counts[FP8_AMAX_KEYS[0]] += 1
+                self.counts[FP8_AMAX_KEYS[1]] += args[0].numel() * args[0].element_size()
+            elif kind is not None:
                 # bytes as fsdp counts them: the whole (gathered, or reduced-from) tensor
                 big = out if kind == "all_gathers" else args[0]
                 self.counts[f"{self.prefix}{kind}"] += 1
@@ -428,16 +441,22 @@ def count_collectives(counts: Dict[str, int], prefix: str) -> _CountCollectives:
 
 TP_COMM_KEYS = ("tp_all_gathers", "tp_all_gather_bytes", "tp_reduce_scatters", "tp_reduce_scatter_bytes",
                 "tp_allreduces", "tp_allreduce_bytes")
+# float8 linears under tp (dist_trainer/fp8.py): each cast whose amax spans a cut dimension all-reduces it
+FP8_AMAX_KEYS = ("fp8_amax_allreduces", "fp8_amax_allreduce_bytes")
 
 
 class TensorParallel:
     """What the strategy keeps of the cut: the loss-parallel context and the tp collectives' counters."""
 
     def __init__(self, mesh: DeviceMesh, loss_parallel: bool, plan: Dict[str, str], head: Optional[str],
-                 counting: bool = True):
+                 counting: bool = True, float8: bool = False):
         self.mesh, self.loss_parallel, self.plan, self.head = mesh, loss_parallel, plan, head
         self.counting = counting
-        self.counts = dict.fromkeys(TP_COMM_KEYS, 0)
+        self.counts = dict.fromkeys(TP_COMM_KEYS + (FP8_AMAX_KEYS if float8 else ()), 0)
+
+    def comm(self) -> Dict[str, int]:
+        """The tp collectives under their tp_* keys, and float8's amax all-reduces apart (FP8_AMAX_KEYS)."""
+        return dict(self.counts)
 
     def context(self, count: bool = True) -> ContextManager:
         """Forward and backward of one micro-batch (or evaluation): the vocabulary-sharded loss, counted."""
