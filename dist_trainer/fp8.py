@@ -292,16 +292,17 @@ def describe_converted(model: nn.Module, name: str) -> str:
 
 def _check_mx_tokens(cfg: Any) -> None:
     """MXFP8's weight gradient takes blocks of MX_BLOCK tokens: a micro-batch's tokens must fill them."""
-    micro = cfg.batch.micro_batch_size
+    micro, cp = cfg.batch.micro_batch_size, cfg.dist.cp.size
     model = cfg.model if isinstance(cfg.model, dict) else {}
     block = cfg.data.get("block_size") or model.get("block_size")
     if micro == "auto":
         raise ConfigError("precision=fp8-mxfp8 with batch.micro_batch_size=auto: MXFP8 needs a micro-batch's tokens "
                           f"a multiple of {MX_BLOCK}; set batch.micro_batch_size to a number")
-    if isinstance(block, int) and (micro * block) % MX_BLOCK:
-        raise ConfigError(f"precision=fp8-mxfp8: batch.micro_batch_size={micro} x data.block_size={block} = "
-                          f"{micro * block} tokens a micro-batch, not a multiple of {MX_BLOCK} (MXFP8 blocks the "
-                          "weight gradient along the tokens): change batch.micro_batch_size or data.block_size")
+    if isinstance(block, int) and (micro * block // cp) % MX_BLOCK:  # a rank's share of each sequence under cp
+        share = f" / dist.cp.size={cp}" if cp > 1 else ""
+        raise ConfigError(f"precision=fp8-mxfp8: batch.micro_batch_size={micro} x data.block_size={block}{share} = "
+                          f"{micro * block // cp} tokens a micro-batch, not a multiple of {MX_BLOCK} (MXFP8 blocks "
+                          "the weight gradient along the tokens): change batch.micro_batch_size or data.block_size")
 
 
 def check(cfg: Any) -> None:
@@ -327,11 +328,6 @@ def check(cfg: Any) -> None:
     if p.fp8.all_gather and cfg.dist.tp.size > 1:
         raise ConfigError(f"precision.fp8.all_gather=true with dist.tp.size={cfg.dist.tp.size} is not supported "
                           "yet (the scales of weights cut over two mesh dimensions): set precision.fp8.all_gather=false")
-    for key, size in (("cp", cfg.dist.cp.size), ("ep", cfg.dist.ep.size)):
-        if size > 1:
-            raise ConfigError(f"precision.name={p.name} with dist.{key}.size={size} is not supported yet (float8 "
-                              f"linears run under ddp, fsdp, hsdp, tp and pipeline stages): set dist.{key}.size=1 or "
-                              "precision=bf16-master")
     if p.name == "fp8-mxfp8":
         _check_mx_tokens(cfg)
     if p.fp8.all_gather:
