@@ -402,6 +402,36 @@ def test_resume_is_bit_identical_and_the_export_is_the_plain_models(tmp_path, mo
     plain.load_state_dict(final_params(ref))  # strict: the same keys and shapes
 
 
+@pytest.mark.slow  # a torchrun job of a Hugging Face model: CI's slow stage
+def test_a_hugging_face_model_under_tp_exports_plain_weights(tmp_path):
+    """A llama's float8 linears under tp 2 with sequence parallelism through the real loop: every step after the
+    first counts the collectives plan.json predicts (float8's amax all-reduces too), and hf_model/ holds plain
+    FP32 Linear weights that transformers loads."""
+    import json
+
+    import torch
+    from test_checkpoint import TINY, run
+    from transformers import AutoModelForCausalLM
+
+    job = [a for a in TINY if not a.startswith("model.")] + ["model=hf_causal_lm", "model.model_type=llama", "+model.config.hidden_size=64",
+                  "+model.config.intermediate_size=128", "+model.config.num_hidden_layers=2",
+                  "+model.config.num_attention_heads=4", "+model.config.num_key_value_heads=2",
+                  "precision=fp8-rowwise", "dist.tp.size=2", "dist.tp.sequence_parallel=true",
+                  "trainer.max_steps=3", "batch.global_batch_size=8", "batch.micro_batch_size=4",
+                  f"hydra.run.dir={tmp_path}"]
+    done = run(job, tmp_path, nproc=2)
+    assert done.returncode == 0, done.output[-3000:]
+    assert "precision fp8-rowwise: 14 linears in float8" in done.output  # 7 a layer; the head kept
+    step = json.loads((tmp_path / "plan.json").read_text())["step"]
+    assert step["fp8_amax_allreduces"] > 0
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r.get("step") in (2, 3) and "allreduces" in r]
+    assert len(steps) == 2 and all({k: r.get(k) for k in step} == step for r in steps), steps
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf_model")
+    q = model.model.layers[0].self_attn.q_proj
+    assert type(q) is torch.nn.Linear and type(q.weight.data) is torch.Tensor and q.weight.dtype == torch.float32
+
+
 # ------------------------------------------------------------------------------------------ four ranks
 
 @pytest.mark.slow
