@@ -435,13 +435,18 @@ def test_a_hugging_face_model_under_tp_exports_plain_weights(tmp_path):
 # ------------------------------------------------------------------------------------------ four ranks
 
 @pytest.mark.slow
-def test_hsdp_keeps_the_split_invariant(runs, tmp_path):
-    """hsdp 2 x 2 (two replicas of a shard group of 2) against the same one-process reference."""
-    cfg = _config(2, "fp8-rowwise", "fsdp")
+@pytest.mark.parametrize("precision,all_gather", [("fp8-rowwise", False), ("fp8-tensorwise", True)])
+def test_hsdp_keeps_the_split_invariant(runs, tmp_path, precision, all_gather):
+    """hsdp 2 x 2 (two replicas of a shard group of 2) against the same one-process reference; with the float8
+    all-gather, its scales agreed over each shard group (fp8_scale_allreduces as plan mode predicts)."""
+    cfg = _config(2, precision, "fsdp", all_gather=all_gather)
     cfg.dist.fsdp = dataclasses.replace(cfg.dist.fsdp, shard_size=2)
-    ref = job_record(runs[0], "fp8-rowwise")
+    ref = job_record(runs[0], precision)
+    step = plan_numbers(cfg, validate(cfg, 4))["step"]
     for rank, results in enumerate(launch_clean(_worker, 4, tmp_path, [("hsdp", cfg)])):
         got = job_record(results, "hsdp")
         assert len(got["converted"]) == 2 * 6
+        for number, outcome in enumerate(got["outcomes"][1:], 2):
+            assert {k: outcome["comm"].get(k, 0) for k in step} == step, (precision, rank, number)
         assert_all_close_scaled(got["grads"][0], ref["grads"][0], f"hsdp rank {rank} gradients of step 1")
         assert_all_close_scaled(got["params"][0], ref["params"][0], f"hsdp rank {rank} weights after step 3")
