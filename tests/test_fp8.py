@@ -443,19 +443,34 @@ def test_a_hugging_face_model_under_tp_exports_plain_weights(tmp_path):
 
 # ------------------------------------------------------------------------------------------ four ranks
 
-@pytest.mark.slow
-@pytest.mark.parametrize("precision,all_gather", [("fp8-rowwise", False), ("fp8-tensorwise", True)])
-def test_hsdp_keeps_the_split_invariant(runs, tmp_path, precision, all_gather):
-    """hsdp 2 x 2 (two replicas of a shard group of 2) against the same one-process reference; with the float8
-    all-gather, its scales agreed over each shard group (fp8_scale_allreduces as plan mode predicts)."""
-    cfg = _config(2, precision, "fsdp", all_gather=all_gather)
+def _hsdp(precision: str, all_gather: bool = False):
+    # 8 samples a data rank: micro-batches of 2 (4 of them), MXFP8's of 4 (96 tokens fill its blocks of 32)
+    cfg = _config(4 if precision == "fp8-mxfp8" else 2, precision, "fsdp", all_gather=all_gather)
     cfg.dist.fsdp = dataclasses.replace(cfg.dist.fsdp, shard_size=2)
-    ref = job_record(runs[0], precision)
+    return cfg
+
+
+HSDP_CASES = {**{r: _hsdp(r) for r in RECIPES}, "fp8-tensorwise-ag": _hsdp("fp8-tensorwise", True)}
+
+
+@pytest.fixture(scope="module")
+def hsdp_runs(tmp_path_factory):
+    return launch_clean(_worker, 4, tmp_path_factory.mktemp("fp8_hsdp"), list(HSDP_CASES.items()))
+
+
+@pytest.mark.slow  # four ranks on two cores: CI's slow stage
+@pytest.mark.parametrize("name", list(HSDP_CASES))
+def test_hsdp_keeps_the_split_invariant(runs, hsdp_runs, name):
+    """hsdp 2 x 2 (two replicas of a shard group of 2), every power-of-two recipe, against the same one-process
+    reference; with the float8 all-gather, its scales agreed over each shard group (fp8_scale_allreduces as plan
+    mode predicts)."""
+    cfg = HSDP_CASES[name]
+    ref = job_record(runs[0], cfg.precision.name)
     step = plan_numbers(cfg, validate(cfg, 4))["step"]
-    for rank, results in enumerate(launch_clean(_worker, 4, tmp_path, [("hsdp", cfg)])):
-        got = job_record(results, "hsdp")
+    for rank, results in enumerate(hsdp_runs):
+        got = job_record(results, name)
         assert len(got["converted"]) == 2 * 6
         for number, outcome in enumerate(got["outcomes"][1:], 2):
-            assert {k: outcome["comm"].get(k, 0) for k in step} == step, (precision, rank, number)
-        assert_all_close_scaled(got["grads"][0], ref["grads"][0], f"hsdp rank {rank} gradients of step 1")
-        assert_all_close_scaled(got["params"][0], ref["params"][0], f"hsdp rank {rank} weights after step 3")
+            assert {k: outcome["comm"].get(k, 0) for k in step} == step, (name, rank, number)
+        assert_all_close_scaled(got["grads"][0], ref["grads"][0], f"hsdp {name} rank {rank} gradients of step 1")
+        assert_all_close_scaled(got["params"][0], ref["params"][0], f"hsdp {name} rank {rank} weights after step 3")
