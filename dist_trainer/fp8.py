@@ -97,16 +97,18 @@ CASTS = (("cast_config_input", "input", -1, True), ("cast_config_weight", "weigh
 CUT = {"colwise": {"weight": 0, "grad_output": -1}, "rowwise": {"input": -1, "weight": -1}}  # the cut dimension
 
 
-def tp_amax_allreduces(linear: nn.Linear, mode: str, style: str, tokens: int) -> List[Tuple[int, bool]]:
+def tp_amax_allreduces(linear: nn.Linear, mode: str, style: str, tokens: int,
+                       gathered: bool = False) -> List[Tuple[int, bool]]:
     """One micro-batch's amax all-reduces of the float8 ``linear`` (precision ``mode``) cut ``style``-wise under
-    tp, as (bytes, in
-    the forward) each: a tensorwise amax is one float64, an axiswise one a float64 a row it keeps (the tokens
-    for input and grad_output, the other dimension for the weight)."""
+    tp, as (bytes, in the forward) each: a tensorwise amax is one float64, an axiswise one a float64 a row it
+    keeps (the tokens for input and grad_output, the other dimension for the weight). ``gathered``: the weight
+    arrives in float8 from FSDP's float8 all-gather, its scale agreed after the update (ScaleSync), so its casts
+    take no amax."""
     config = recipe_config(mode)
     done = []
     for key, tensor, dim, forward in CASTS:
         cast, cut = getattr(config, key), CUT.get(style, {}).get(tensor)
-        if cut is None or cast.scaling_type.name == "DISABLED":
+        if cut is None or cast.scaling_type.name == "DISABLED" or (gathered and tensor == "weight"):
             continue
         if cast.scaling_granularity.name == "TENSORWISE":
             done.append((8, forward))
@@ -215,20 +217,27 @@ class ScaleSync:
             self.sync()
 
     def sync(self) -> None:
-        """Each float8 weight's scale from its whole amax, all-reduced once; a power of two where asked."""
-        from torchao.float8.float8_utils import _round_scale_down_to_power_of_2
-        from torchao.float8.fsdp_utils import precompute_float8_dynamic_scale_for_fsdp
+        """Each float8 weight's scale from its whole amax, a power of two where asked: the weights of one mesh
+        (fsdp's shard group; under tp the tp-cut ones on fsdp x tp, the others on fsdp's alone) in one stack,
+        whose max DTensor all-reduces once over each mesh dimension that shards them (fp8_scale_comm)."""
+        import torch
+        from torchao.float8.float8_utils import EPS, _round_scale_down_to_power_of_2
 
         from .parallel.tp import count_collectives
 
         with count_collectives(self.counts, "fp8_scale_"):
-            precompute_float8_dynamic_scale_for_fsdp(self.model)
-        if self.pow2:
-            for module in self.model.modules():
-                local = getattr(getattr(module, "weight", None), "_local_tensor", None)
-                scale = getattr(local, "_precomputed_scale", None)
-                if scale is not None:
-                    local._precomputed_scale = _round_scale_down_to_power_of_2(scale)
+            for linears in float8_gathered_groups(self.model).values():
+                weights = [m.weight for m in linears]
+                # the inf-norm is max|w| (Partial over the sharded dimensions); clamped as torchao's cast clamps
+                amax = torch.clamp(torch.stack(torch._foreach_norm(weights, ord=float("inf"))), EPS)
+                dtype = linears[0].config.cast_config_weight.target_dtype
+                # torchao's own arithmetic (float64, then float32: eager's and compile's scales alike); the
+                # shards are FP32 (the masters), so no float16 clamp
+                scales = (torch.finfo(dtype).max / amax.to(torch.float64)).to_local().to(torch.float32)
+                if self.pow2:
+                    scales = _round_scale_down_to_power_of_2(scales)
+                for linear, scale in zip(linears, scales):
+                    linear.weight._local_tensor._precomputed_scale = scale
         self.stale = False
 
     def comm(self) -> Dict[str, int]:
@@ -236,6 +245,23 @@ class ScaleSync:
 
 
 COMM_KEYS = ("fp8_scale_allreduces", "fp8_scale_allreduce_bytes")
+
+
+def float8_gathered_groups(model: nn.Module) -> Dict[Any, List[nn.Module]]:
+    """The float8 linears whose weights FSDP gathers in float8, by the mesh their weights live on: the weights of
+    one mesh stack into one DTensor (those of two cannot: under fsdp x tp a weight the tp plan leaves whole lives
+    on fsdp's mesh alone, the cut ones on fsdp x tp, each sharded over every dimension of its mesh)."""
+    from torch.distributed.tensor import DTensor
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    groups: Dict[Any, List[nn.Module]] = {}
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, Float8Linear) and isinstance(weight, DTensor) and \
+                isinstance(weight._local_tensor, WeightWithDynamicFloat8CastTensor):
+            groups.setdefault(weight.device_mesh, []).append(module)
+    return groups
 
 
 _MX_CLASS: List[type] = []
@@ -328,9 +354,6 @@ def check(cfg: Any) -> None:
                           "(DTensor redistributes MXFP8Linear's operands in collectives plan mode does not predict): "
                           "set dist.tp.size=1 or a Float8Linear recipe (precision=fp8-rowwise, fp8-rowwise-gw-hp, "
                           "fp8-tensorwise)")
-    if p.fp8.all_gather and cfg.dist.tp.size > 1:
-        raise ConfigError(f"precision.fp8.all_gather=true with dist.tp.size={cfg.dist.tp.size} is not supported "
-                          "yet (the scales of weights cut over two mesh dimensions): set precision.fp8.all_gather=false")
     if p.name == "fp8-mxfp8":
         _check_mx_tokens(cfg)
     if p.fp8.all_gather:

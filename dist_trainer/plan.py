@@ -210,7 +210,8 @@ def fp8_amax_comm(cfg: Config, plan: BatchPlan, model: nn.Module, tokens: int,
         if held is not None and not held(name):
             continue
         again = any(name.startswith(b + ".") for b in checkpointed)
-        for nbytes, forward in tp_amax_allreduces(linear, cfg.precision.name, styles.get(name, ""), tokens):
+        for nbytes, forward in tp_amax_allreduces(linear, cfg.precision.name, styles.get(name, ""), tokens,
+                                                  cfg.precision.fp8.all_gather):
             times = plan.accum_steps * (2 if forward and again else 1)
             counts[FP8_AMAX_KEYS[0]] += times
             counts[FP8_AMAX_KEYS[1]] += times * nbytes
@@ -218,10 +219,19 @@ def fp8_amax_comm(cfg: Config, plan: BatchPlan, model: nn.Module, tokens: int,
 
 
 def fp8_scale_comm(model: nn.Module, cfg: Config, held: Optional[Collection[int]] = None) -> Dict[str, int]:
-    """The float8 all-gather's scales, agreed after each update (fp8.ScaleSync): one all-reduce of a float32
-    amax for each float8 weight (``held``: id() of those this rank holds; default all). None without it."""
+    """The float8 all-gather's scales, agreed after each update (fp8.ScaleSync): the float32 amaxes of the
+    float8 weights of one mesh in one stack, all-reduced once over each mesh dimension that shards them: fsdp's
+    shard group, and under tp the tp-cut weights' tp group too (those the tp plan leaves whole are a stack of
+    their own, on fsdp's mesh alone). ``held``: id() of the weights this rank holds (default all). None without
+    the float8 all-gather."""
     float8 = [i for i in gathered_in_float8(model, cfg.precision) if held is None or i in held]
-    return {"fp8_scale_allreduces": 1, "fp8_scale_allreduce_bytes": 4 * len(float8)} if float8 else {}
+    cut = local_shapes(model, cfg.dist.tp) or {}
+    counts = dict.fromkeys(("fp8_scale_allreduces", "fp8_scale_allreduce_bytes"), 0)
+    for group, dims in (([i for i in float8 if i in cut], 2), ([i for i in float8 if i not in cut], 1)):
+        if group:
+            counts["fp8_scale_allreduces"] += dims
+            counts["fp8_scale_allreduce_bytes"] += dims * 4 * len(group)
+    return counts if float8 else {}
 
 
 def muon_comm(cfg: Config, mesh: MeshShape, model: nn.Module, held: Optional[Collection[int]] = None
@@ -792,7 +802,7 @@ def plan_numbers(cfg: Config, plan: BatchPlan, model: Optional[nn.Module] = None
         for kind in ("gathers", "scatters") if cfg.optim.muon.dist == "owner" else ("all_gathers",):
             dims[f"muon_{kind}"] = over
     if gathered_in_float8(model, cfg.precision):  # the float8 all-gather's amaxes, over each shard group
-        dims["fp8_scale_allreduces"] = "shard"
+        dims["fp8_scale_allreduces"] = "shard, then tp (the tp-cut weights')" if mesh.tp > 1 else "shard"
     ep = {}
     if mesh.cp > 1:
         dims.update({"cp_sends": "cp", "cp_all_to_alls": "cp"})
@@ -846,7 +856,7 @@ def _pp_numbers(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
     dims = dict(COMM_DIMS["hsdp" if mesh.kind == "ddp" else mesh.kind])
     dims.update({"p2p_sends": "pp", "p2p_recvs": "pp"})
     if gathered_in_float8(model, cfg.precision):
-        dims["fp8_scale_allreduces"] = "shard"
+        dims["fp8_scale_allreduces"] = "shard, then tp (the tp-cut weights')" if mesh.tp > 1 else "shard"
     if mesh.tp > 1:
         dims.update({key: "tp" for key in TP_COMM_KEYS + FP8_AMAX_KEYS if not key.endswith("_bytes")})
     if _tied_across(model):
@@ -899,11 +909,14 @@ def _fp8_lines(cfg: Config, plan: BatchPlan, numbers: Dict[str, Any]) -> List[st
         other = replace(cfg, precision=replace(cfg.precision, fp8=replace(cfg.precision.fp8,
                                                                             all_gather=not cfg.precision.fp8.all_gather)))
         on, off = (numbers, plan_numbers(other, plan))[::1 if cfg.precision.fp8.all_gather else -1]
-        gathered = [(n["step"] or n["pp_stage_groups"][0]["step"])["all_gather_bytes"] for n in (on, off)]
+        steps = [n["step"] or n["pp_stage_groups"][0]["step"] for n in (on, off)]
+        # FSDP's own: the totals less tp's activation all-gathers (the same with and without)
+        gathered = [s["all_gather_bytes"] - s.get("tp_all_gather_bytes", 0) for s in steps]
+        scales = steps[0].get("fp8_scale_allreduces", 0)
         lines.append(f"  FSDP's all-gathers per optimizer step: {_mib(gathered[0])} with the float8 all-gather, "
                      f"{_mib(gathered[1])} without (precision.fp8.all_gather={str(cfg.precision.fp8.all_gather).lower()})"
-                     + ("; plus the float8 weights' amaxes, 1 all-reduce a step (fp8_scale_allreduces)"
-                        if cfg.precision.fp8.all_gather else ""))
+                     + (f"; plus the float8 weights' amaxes, {scales} all-reduce{'s' if scales != 1 else ''} a step "
+                        "(fp8_scale_allreduces)" if cfg.precision.fp8.all_gather else ""))
     return lines
 
 
