@@ -271,6 +271,7 @@ def _mx_class() -> type:
     """torchao's MXFP8Linear, with its input cast to its weight's dtype: its matmul is outside autocast and
     needs both in one dtype (under bf16 compute a norm's output may be FP32)."""
     if not _MX_CLASS:
+        from torch.distributed.tensor import DTensor
         from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
 
         class MXLinear(MXFP8Linear):
@@ -281,10 +282,44 @@ def _mx_class() -> type:
                                       f"{MX_BLOCK} (MXFP8 blocks the weight gradient along the tokens): make "
                                       "batch.micro_batch_size x data.block_size a multiple of it, for a smaller "
                                       "last micro-batch too (data.block_size a multiple of it)")
+                if isinstance(self.weight, DTensor):  # cut by tp's column- or row-wise style
+                    return _mx_tp_forward(self, input)
                 return super().forward(input.to(self.weight.dtype))
 
         _MX_CLASS.append(MXLinear)
     return _MX_CLASS[0]
+
+
+def _mx_tp_forward(linear: nn.Module, input: Any) -> Any:
+    """MXFP8Linear cut by tp's plain column- or row-wise style: the MXFP8 matmul of each rank's slices, its output
+    in the placements DTensor's own matmul of a Linear gives (column-wise: a shard of the output features;
+    row-wise: a partial sum, the replicated bias added as DTensor adds it to a Linear's), so that the style's
+    redistributions, and nothing else, move data (DTensor has no sharding rule for MXFP8's casts: left to it, it
+    moves the operands in collectives of its own). Every block of 32 lies within one slice (checked here), so
+    each rank's blocks and scales are one process's."""
+    from torch.distributed.tensor import DTensor, Partial, Shard
+    from torchao.prototype.moe_training.mxfp8_linear import _to_mxfp8_then_scaled_mm
+
+    weight = linear.weight
+    mesh, (cut,) = weight.device_mesh, weight.placements
+    local_weight = weight.to_local()  # its gradient: this rank's slice, as the weight's placement says
+    if local_weight.shape[0] % MX_BLOCK or local_weight.shape[1] % MX_BLOCK:
+        raise ConfigError(f"precision=fp8-mxfp8 with dist.tp.size={mesh.size()}: a linear's slice is "
+                          f"{tuple(local_weight.shape)}, not a multiple of {MX_BLOCK} both ways (MXFP8's blocks "
+                          "must not straddle two ranks): keep it in bf16 with precision.fp8.filter, or set a "
+                          "smaller dist.tp.size")
+    rowwise = cut.is_shard(1)  # the weight is (out, in): row-wise cuts the input features, column-wise the output
+    # the input's gradient: column-wise, each rank's is a partial sum over its output features; row-wise, the
+    # shard of the input features it took
+    local = input.to_local(grad_placements=input.placements if rowwise else [Partial()])
+    out = _to_mxfp8_then_scaled_mm(local.to(local_weight.dtype), local_weight, linear.kernel_preference,
+                                   linear.scale_calculation_mode, linear.wgrad_with_hp)
+    if rowwise:
+        out = DTensor.from_local(out, mesh, [Partial()], run_check=False)
+        return out + linear.bias.to(out.dtype) if linear.bias is not None else out
+    if linear.bias is not None:  # column-wise: this rank's slice of it
+        out = out + linear.bias.to_local().to(out.dtype)
+    return DTensor.from_local(out, mesh, [Shard(out.dim() - 1)], run_check=False)
 
 
 def _to_mx(linear: nn.Linear, preference: Any) -> None:
@@ -347,13 +382,6 @@ def check(cfg: Any) -> None:
     if patterns is not None and not (isinstance(patterns, list) and all(isinstance(x, str) for x in patterns)):
         raise ConfigError(f"precision.fp8.filter={p.fp8.filter!r}: a list of linear name patterns kept in bf16, "
                           "or null for the default")
-    if p.name == "fp8-mxfp8" and cfg.dist.tp.size > 1:
-        # measured: its numbers equal one process's, but DTensor moves MXFP8Linear's operands its own way
-        # (all-reduces where the styles reduce-scatter), which plan mode does not predict
-        raise ConfigError(f"precision=fp8-mxfp8 with dist.tp.size={cfg.dist.tp.size} is not supported yet "
-                          "(DTensor redistributes MXFP8Linear's operands in collectives plan mode does not predict): "
-                          "set dist.tp.size=1 or a Float8Linear recipe (precision=fp8-rowwise, fp8-rowwise-gw-hp, "
-                          "fp8-tensorwise)")
     if p.name == "fp8-mxfp8":
         _check_mx_tokens(cfg)
     if p.fp8.all_gather:

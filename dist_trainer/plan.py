@@ -199,8 +199,8 @@ def fp8_amax_comm(cfg: Config, plan: BatchPlan, model: nn.Module, tokens: int,
     ``held``: the modules that count (a stage group's). None without float8 or tp."""
     from .fp8 import float8_linears, tp_amax_allreduces
 
-    if plan.mesh.tp == 1 or cfg.precision.name not in RECIPES:
-        return {}
+    if plan.mesh.tp == 1 or cfg.precision.name not in RECIPES or cfg.precision.name == "fp8-mxfp8":
+        return {}  # MXFP8's scales are its blocks', each within one rank's slice: no amax crosses a cut
     styles = resolve_plan(model, cfg.dist.tp)
     blocks = find_blocks(model, cfg.dist.blocks) if cfg.dist.activation_checkpointing else []
     names = {id(m): name for name, m in model.named_modules()}

@@ -79,6 +79,10 @@ for _r in RECIPES[:3]:
 CASES["fp8-rowwise-tp2sp"] = _config(4, "fp8-rowwise")
 CASES["fp8-rowwise-tp2sp"].dist.tp = TPConfig(size=2, sequence_parallel=True)
 CASES["fp8-rowwise-tp2sp"].dist.activation_checkpointing = True
+# MXFP8 under tp 2 (sequence parallelism on) at width 64: every cut slice a multiple of its blocks of 32, each
+# rank's MXFP8 matmul on its slices, so its blocks are one process's and only the styles' collectives move data
+CASES["fp8-mxfp8-w64-tp2"] = _config(4, "fp8-mxfp8", width=64)
+CASES["fp8-mxfp8-w64-tp2"].dist.tp = TPConfig(size=2)
 TP_CASES = [n for n in CASES if "-tp2" in n]
 # cp 2 (zig-zag; a data rank): each rank casts its share of every sequence; power-of-two scales make the grouping
 # of tokens an exponent's matter (MXFP8: 8 sequences of 12 tokens a rank fill its blocks)
@@ -91,6 +95,7 @@ for _sync in ("last", "every"):
 CASES["fp8-tensorwise-ag-bf16-fsdp"] = _config(4, "fp8-tensorwise", "fsdp", compute="bf16", all_gather=True)
 REFERENCES = {r: _config(GLOBAL, r) for r in RECIPES}
 REFERENCES["fp8-tensorwise-no-pow2"] = _config(GLOBAL, "fp8-tensorwise", pow2=False)
+REFERENCES["fp8-mxfp8-w64"] = _config(GLOBAL, "fp8-mxfp8", width=64)
 # one process under fsdp, as its gradients are FP32 (under ddp the bf16 model's .grad is not the step's: its
 # masters' are)
 REFERENCES["fp8-rowwise-bf16"] = _config(GLOBAL, strategy="fsdp", compute="bf16")
@@ -255,7 +260,8 @@ def test_under_tp_and_cp_every_step_counts_what_plan_mode_predicts(runs, name):
     activations'), the tp collectives and cp's exchanges, equal plan mode's in every step."""
     cfg = CASES[name]
     step = plan_numbers(cfg, validate(cfg, 2))["step"]
-    assert step.get("fp8_amax_allreduces", 0) > 0 or name.endswith("-cp2")
+    # MXFP8's scales are its blocks', each within one rank's slice: no amax crosses a cut
+    assert step.get("fp8_amax_allreduces", 0) > 0 or name.endswith("-cp2") or "mxfp8" in name
     for rank, results in enumerate(runs[1]):
         for number, outcome in enumerate(job_record(results, name)["outcomes"][1:], 2):  # step 1 measures more
             assert {k: outcome["comm"].get(k, 0) for k in step} == step, (name, rank, number)
@@ -299,8 +305,6 @@ def test_expert_parallel_with_float8_equals_one_process(tmp_path):
 @pytest.mark.parametrize("precision,change,match", [
     ("fp8-mxfp8", lambda c: dataclasses.replace(c.dist, cp=dataclasses.replace(c.dist.cp, size=2)),
      r"precision=fp8-mxfp8: batch\.micro_batch_size=4 x data\.block_size=24 / dist\.cp\.size=2 = 48 tokens"),
-    ("fp8-mxfp8", lambda c: dataclasses.replace(c.dist, tp=TPConfig(size=2)),
-     r"precision=fp8-mxfp8 with dist\.tp\.size=2 is not supported yet"),
 ])
 def test_what_is_not_supported_yet_names_the_key(precision, change, match):
     cfg = _config(4, precision)
@@ -363,6 +367,32 @@ def test_mxfp8_keeps_biases_and_refuses_partial_blocks():
     with pytest.raises(ConfigError, match=r"^precision=fp8-mxfp8: batch\.micro_batch_size=1 x "
                                           r"data\.block_size=24 = 24 tokens a micro-batch, not a multiple of 32"):
         validate(cfg, 1)
+
+
+def test_mxfp8_under_tp_refuses_a_slice_that_splits_its_blocks():
+    """Under tp a converted linear's slice must hold whole blocks of 32 (they must not straddle two ranks): a
+    column-wise cut of 48 output features over a group of 2 leaves 24 a rank, a ConfigError naming the keys."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from dist_trainer.fp8 import convert
+
+    def run(rank, world_size):
+        model = torch.nn.Sequential(torch.nn.Linear(32, 48, bias=False))
+        convert(model, Fp8Config(compute="fp32", filter=[]), "fp8-mxfp8", "cpu")
+        mesh = DeviceMesh("cpu", [0])
+        # the slice a rank of 2 would hold, on a mesh of one: the check reads the local shape
+        model[0].weight = torch.nn.Parameter(DTensor.from_local(torch.randn(24, 32), mesh, [Shard(0)],
+                                                                run_check=False))
+        x = DTensor.from_local(torch.randn(32, 32), mesh, [Replicate()])
+        with pytest.raises(ConfigError, match=r"^precision=fp8-mxfp8 with dist\.tp\.size=1: a linear's slice is "
+                                              r"\(24, 32\), not a multiple of 32 both ways .* precision\.fp8\.filter"):
+            model(x)
+        assert dist.get_world_size() == 1
+
+    in_one_process(run)
 
 
 def test_the_filter_keeps_what_it_names():
