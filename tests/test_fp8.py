@@ -137,6 +137,22 @@ def _reference(one: dict, name: str) -> dict:
     return job_record(one, name[:-len("-fsdp-every")] if name.endswith("every") else name.rsplit("-", 1)[0])
 
 
+def _assert_gradients_and_weights(got: dict, ref: dict, what: str, gw_hp: bool) -> None:
+    """Step 1's gradients and the weights after step 3 within SCALE_TOL of one process's (a pipeline rank: its
+    stage's, the last stage's head its copy of the tied embedding).
+
+    rowwise-gw-hp's weight gradient is an FP32 matmul over each rank's tokens (under tp its slice), summed in
+    another order than one process's: its gradients agree as the others' do (7.7e-7), and AdamW's normalisation
+    then moves the few elements whose gradient is that noise by up to the lr, so its weights hold
+    GW_HP_WEIGHT_TOL (measured 1.6e-5 under tp; under ddp and fsdp 4.3e-6 with AVX-512's kernels, 1.03e-5 with
+    torch's default ones; under hsdp 9.1e-6 AVX-512, 1.5e-5 AVX2, 1.8e-5 default)."""
+    held = {k: "tok_emb.weight" if k == "head.weight" else k for k in got["params"][0]}
+    assert_all_close_scaled(got["grads"][0], {k: ref["grads"][0][v] for k, v in held.items()},
+                            f"{what} gradients of step 1")
+    assert_all_close_scaled(got["params"][0], {k: ref["params"][0][v] for k, v in held.items()},
+                            f"{what} weights after step 3", GW_HP_WEIGHT_TOL if gw_hp else SCALE_TOL)
+
+
 @pytest.mark.parametrize("name", [n for n in CASES if not any(k in n for k in ("no-pow2", "bf16", "nan", "-ag-"))])
 def test_power_of_two_scales_keep_the_split_invariant(runs, name):
     one, two = runs
@@ -149,17 +165,7 @@ def test_power_of_two_scales_keep_the_split_invariant(runs, name):
             assert not a["skipped"] and a["items"] == b["items"], (name, step)
             assert a["loss"] == pytest.approx(b["loss"], rel=SCALE_TOL), f"{name}: loss at step {step}"
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=SCALE_TOL), f"{name}: norm at step {step}"
-        # a pipeline rank holds its stage's weights; the last stage's head is its copy of the tied embedding
-        held = {k: "tok_emb.weight" if k == "head.weight" else k for k in got["params"][0]}
-        assert_all_close_scaled(got["grads"][0], {k: ref["grads"][0][v] for k, v in held.items()},
-                                f"{name} rank {rank} gradients of step 1")
-        # gw-hp: its weight gradient is an FP32 matmul over each rank's tokens (under tp its slice), summed in
-        # another order than one process's (7.7e-7 at step 1, as the others'); AdamW's normalisation then moves
-        # the few elements whose gradient is that noise by up to the lr (measured 1.6e-5 under tp; 1.03e-5 under
-        # ddp and fsdp with torch's default kernels, 4.3e-6 with AVX-512's)
-        assert_all_close_scaled(got["params"][0], {k: ref["params"][0][v] for k, v in held.items()},
-                                f"{name} rank {rank} weights after step 3",
-                                GW_HP_WEIGHT_TOL if "gw-hp" in name else SCALE_TOL)
+        _assert_gradients_and_weights(got, ref, f"{name} rank {rank}", "gw-hp" in name)
 
 
 @pytest.mark.parametrize("name", ["fp8-rowwise-bf16-ddp", "fp8-rowwise-bf16-fsdp", "fp8-tensorwise-ag-bf16-fsdp",
@@ -528,13 +534,4 @@ def test_on_four_ranks_the_split_holds(runs, four_rank_runs, name):
         step = numbers["pp_stage_groups"][rank // 2]["step"] if pp else numbers["step"]
         for number, outcome in enumerate(got["outcomes"][1:], 2):
             assert {k: outcome["comm"].get(k, 0) for k in step} == step, (name, rank, number)
-        held = {k: "tok_emb.weight" if k == "head.weight" else k for k in got["params"][0]}
-        assert_all_close_scaled(got["grads"][0], {k: ref["grads"][0][v] for k, v in held.items()},
-                                f"{name} rank {rank} gradients of step 1 (4 ranks)")
-        # gw-hp's weight gradient is an FP32 matmul over each rank's tokens, summed in another order than one
-        # process's: its gradients agree as the others' do (4.2e-7), and AdamW's normalisation moves the few
-        # elements whose gradient is that rounding noise by up to the lr (9.1e-6 AVX-512, 1.5e-5 AVX2, 1.8e-5
-        # default kernels), as under tp
-        assert_all_close_scaled(got["params"][0], {k: ref["params"][0][v] for k, v in held.items()},
-                                f"{name} rank {rank} weights after step 3 (4 ranks)",
-                                GW_HP_WEIGHT_TOL if name == "fp8-rowwise-gw-hp" else SCALE_TOL)
+        _assert_gradients_and_weights(got, ref, f"{name} rank {rank} (4 ranks)", "gw-hp" in name)
