@@ -201,7 +201,10 @@ class ScaleSync:
     def __init__(self, model: nn.Module, optimizer: Any, pow2: bool) -> None:
         from torch.distributed.fsdp import FSDPModule
 
-        self.model, self.pow2, self.stale = model, pow2, True
+        self.pow2, self.stale = pow2, True
+        # the float8 linears by their weights' mesh, once: the modules and meshes stay, while FSDP swaps the
+        # tensors each module holds (sync reads module.weight at the time)
+        self.groups = list(float8_gathered_groups(model).values())
         self.counts = dict.fromkeys(COMM_KEYS, 0)
         for module in model.modules():
             if isinstance(module, FSDPModule):
@@ -226,7 +229,7 @@ class ScaleSync:
         from .parallel.tp import count_collectives
 
         with count_collectives(self.counts, "fp8_scale_"):
-            for linears in float8_gathered_groups(self.model).values():
+            for linears in self.groups:
                 weights = [m.weight for m in linears]
                 # the inf-norm is max|w| (Partial over the sharded dimensions); clamped as torchao's cast clamps
                 amax = torch.clamp(torch.stack(torch._foreach_norm(weights, ord=float("inf"))), EPS)

@@ -225,7 +225,7 @@ def fp8_scale_comm(model: nn.Module, cfg: Config, held: Optional[Collection[int]
     their own, on fsdp's mesh alone). ``held``: id() of the weights this rank holds (default all). None without
     the float8 all-gather."""
     float8 = [i for i in gathered_in_float8(model, cfg.precision) if held is None or i in held]
-    cut = local_shapes(model, cfg.dist.tp) or {}
+    cut = local_shapes(model, cfg.dist.tp)
     counts = dict.fromkeys(("fp8_scale_allreduces", "fp8_scale_allreduce_bytes"), 0)
     for group, dims in (([i for i in float8 if i in cut], 2), ([i for i in float8 if i not in cut], 1)):
         if group:
