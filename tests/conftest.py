@@ -4,17 +4,22 @@ import pytest
 
 
 @pytest.fixture(autouse=True)
-def _quiet_single_thread_env(monkeypatch):
-    """Ranks share 2 cores: one intra-op thread each; gloo on loopback."""
+def _fenced(monkeypatch):
+    """Ranks share 2 cores: one intra-op thread each; gloo on loopback. What the test changes in this process
+    (tests/fence.py: environment, signal handlers, RNG, torch's globals, logging, process groups) is put back
+    after it, and a non-daemon thread it left running fails it."""
+    from fence import Fence
+
+    fence = Fence()
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(name, raising=False)
     yield
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():  # a failed test must not leak its group
-        dist.destroy_process_group()
+    fence.restore()
+    stray = fence.stray_threads()
+    if stray:
+        pytest.fail(f"the test left non-daemon threads running: {[t.name for t in stray]}", pytrace=False)
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +39,10 @@ def cluster(tmp_path_factory):
 
 
 def pytest_configure(config):
+    # What the preloaded server (tests/preloaded.py) reads once at import, fixed before anything forks.
+    from preloaded import freeze_env
+
+    freeze_env()
     config.addinivalue_line("markers", "slow: longer than the default suite allows; run with -m slow")
     config.addinivalue_line("markers", "slurm: starts a real one-node Slurm cluster (installs it as root if missing)")
     config.addinivalue_line("markers", "image: builds docker/Dockerfile with buildah and runs it (installs buildah as "

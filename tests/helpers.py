@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Container, List, Optional
@@ -18,6 +20,8 @@ import torch.multiprocessing as mp
 
 from dist_trainer.config import BatchConfig, Config, DistConfig, OptimConfig, PrecisionConfig, TrainerConfig
 from dist_trainer.distributed import _store_barrier
+
+import preloaded
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -99,7 +103,8 @@ def assert_all_close_scaled(got: dict, ref: dict, what: str, tol: float = SCALE_
     return err
 
 
-def _rank_main(rank: int, world_size: int, store_dir: str, fn: Callable, args: tuple) -> None:
+def _rank_main(rank: int, world_size: int, store_dir: str, fn: Callable, args: tuple, env: dict) -> None:
+    preloaded.enter(env, os.path.join(store_dir, f"rank{rank}.out"), os.path.join(store_dir, f"rank{rank}.err"))
     torch.set_num_threads(1)
     # A rank still running after STACKS_AFTER_S writes every thread's stack to stderr (pytest shows it), so
     # a hang names its place instead of only timing out.
@@ -114,6 +119,11 @@ def _rank_main(rank: int, world_size: int, store_dir: str, fn: Callable, args: t
         dist.destroy_process_group()  # nothing waits after a failure: a peer may be gone
         raise
     close_group(world_size)
+    # The work is saved and the group closed: end here, before the interpreter's teardown runs gloo's and
+    # the collectives' destructors at exit, which is where a rank could abort (SIGABRT) after its work.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def close_group(world_size: int) -> None:
@@ -133,19 +143,21 @@ STACKS_AFTER_S = 240  # below pytest-timeout's 300 s: a hung rank's stacks reach
 
 def run_ranks(fn: Callable, world_size: int, tmp_path: Path, *args: Any, timeout: Optional[float] = None
               ) -> List[Any]:
-    """Run fn(rank, world_size, *args) in world_size spawned processes; return their results.
+    """Run fn(rank, world_size, *args) in world_size processes forked from the preloaded server; their results.
 
-    Never leaves a process behind: a rank stuck in process-group teardown after
-    saving its result (torch 2.13 on gloo, now and then) is killed, a launch past
-    ``timeout`` (if given; pytest-timeout's limit otherwise) fails the test, and
-    any exception here (pytest-timeout's included) kills the ranks first. A
-    live child would otherwise keep pytest from exiting: multiprocessing joins
-    its children at exit.
+    The ranks see this process's environment at the call (tests/preloaded.py); their stdout and stderr are
+    copied to this process's when they end, so pytest shows them with a failure. Never leaves a process
+    behind: a rank stuck in process-group teardown after saving its result (torch 2.13 on gloo, now and
+    then) is killed, a launch past ``timeout`` (if given; pytest-timeout's limit otherwise) writes every
+    rank's stacks and fails the test, and any exception here (pytest-timeout's included) kills the ranks
+    first. A live child would otherwise keep pytest from exiting: multiprocessing joins its children at exit.
     """
     store_dir = tmp_path / f"ranks{world_size}-{fn.__name__}"
     store_dir.mkdir(parents=True, exist_ok=True)
-    ctx = mp.start_processes(_rank_main, args=(world_size, str(store_dir), fn, args), nprocs=world_size,
-                             join=False, start_method="spawn")
+    logs = [str(store_dir / f"rank{r}") for r in range(world_size)]
+    preloaded.context()  # the server's preload list, before the first fork starts it
+    ctx = mp.start_processes(_rank_main, args=(world_size, str(store_dir), fn, args, dict(os.environ)),
+                             nprocs=world_size, join=False, start_method="forkserver")
     results = [store_dir / f"result{r}.pt" for r in range(world_size)]
     deadline = time.monotonic() + (timeout or 0)
     try:
@@ -156,23 +168,27 @@ def run_ranks(fn: Callable, world_size: int, tmp_path: Path, *args: Any, timeout
                 break
             if timeout is not None and time.monotonic() > deadline:
                 missing = [r for r, ok in enumerate(done) if not ok]
+                preloaded.dump_stacks(ctx.processes)
                 pytest.fail(f"{world_size} ranks did not finish in {timeout:.0f} s: a collective hangs "
-                            f"(ranks {missing} saved no result; their stacks are in the captured stderr)")
+                            f"(ranks {missing} saved no result; every rank's stacks are in the captured stderr)")
+    except BaseException:
+        preloaded.dump_stacks(ctx.processes)  # pytest-timeout's, or a rank's failure: where the others were
+        raise
     finally:
         _kill(ctx)
+        preloaded.show_logs(logs, f"{fn.__name__} on {world_size} ranks:")
     return [torch.load(path, weights_only=False) for path in results]
 
 
 def _let_exit(ctx) -> None:
-    """Every rank saved its result: give them EXIT_GRACE_S to exit; an abort in teardown is not the test's."""
+    """Every rank saved its result: they exit at once (_rank_main), and one that does not exit 0 fails the test."""
     exit_deadline = time.monotonic() + EXIT_GRACE_S
-    while time.monotonic() < exit_deadline:
-        try:
-            if ctx.join(timeout=1.0):
-                return
-        except mp.ProcessExitedException as exited:  # torch 2.13's gloo teardown, after the work was saved
-            print(f"after saving its result: {exited}", file=sys.stderr)  # join() stopped the others
-            return
+    while not ctx.join(timeout=1.0):  # re-raises a rank's exception, or names its exit code
+        if time.monotonic() > exit_deadline:
+            alive = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
+            preloaded.dump_stacks(ctx.processes)
+            pytest.fail(f"ranks {alive} saved their results but did not exit in {EXIT_GRACE_S} s "
+                        "(their stacks are in the captured stderr)")
 
 
 def _kill(ctx) -> None:
@@ -215,14 +231,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_module(args: List[str], cwd: Path, timeout: float = 240, torchrun_nproc: int = 0) -> subprocess.CompletedProcess:
-    """python -m dist_trainer (or torchrun with nproc ranks) in a subprocess."""
+def run_module(args: List[str], cwd: Path, timeout: float = 240, torchrun_nproc: int = 0, agent: bool = True
+               ) -> subprocess.CompletedProcess:
+    """python -m dist_trainer (forked from the preloaded server) or torchrun with nproc ranks.
+
+    ``agent=False``: the nproc workers are forked with torchrun's environment, without the agent (for runs
+    where torchrun itself is not what is tested); their stdout and stderr together are the result's stdout.
+    """
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(REPO)}
-    if torchrun_nproc:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun_nproc}",
-               "-m", "dist_trainer", *args]
-    else:
-        cmd = [sys.executable, "-m", "dist_trainer", *args]
+    if not torchrun_nproc:
+        return preloaded.run_cli(args, cwd, timeout, env)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun_nproc}",
+           "-m", "dist_trainer", *args]
+    if not agent:
+        out_path = Path(tempfile.mkdtemp(prefix="dist-trainer-workers-")) / "workers.out"
+        workers = preloaded.Workers(args, torchrun_nproc, cwd, env, out_path)
+        try:
+            code = workers.wait(timeout)
+        except subprocess.TimeoutExpired:
+            preloaded.dump_stacks(workers.processes)
+            raise subprocess.TimeoutExpired(cmd, timeout, output=out_path.read_text(errors="replace"))
+        finally:
+            workers.kill()
+        output = out_path.read_text(errors="replace")
+        shutil.rmtree(out_path.parent, ignore_errors=True)
+        return subprocess.CompletedProcess(cmd, code, output, "")
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 

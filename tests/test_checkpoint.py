@@ -58,6 +58,7 @@ import torch.distributed as dist
 
 from dist_trainer.checkpoint import list_checkpoints, verify
 from dist_trainer.signals import EXIT_REQUEUE
+import preloaded
 from helpers import REPO, assert_all_close_scaled, assert_close_scaled, free_port, run_ranks
 
 TESTS = Path(__file__).resolve().parent
@@ -123,10 +124,14 @@ class Job:
     The environment is run_module's (one thread, gloo on loopback, the repository
     on PYTHONPATH) plus tests/ (for helpers.FaultyGPT) and a unique tag; output
     goes to a file, so nothing blocks while a test polls the run directory.
+
+    ``agent=False`` (run and run_all, where torchrun's agent is not what is tested): the process or the
+    workers are forked from the preloaded server (tests/preloaded.py) with the environment torchrun gives
+    its workers, instead of paying a new interpreter's imports each.
     """
 
     def __init__(self, args: List[str], cwd: Path, nproc: int = 0, torchrun_args: List[str] = (),
-                 standalone: bool = True, env_extra: Optional[Dict[str, str]] = None):
+                 standalone: bool = True, env_extra: Optional[Dict[str, str]] = None, agent: bool = True):
         self.tag = uuid.uuid4().hex
         env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
         env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1", DT_TEST_TAG=self.tag,
@@ -138,6 +143,9 @@ class Job:
             cmd = [sys.executable, "-m", "dist_trainer", *args]
         self.out_path = cwd / f"job-{self.tag[:8]}.out"
         self._out = open(self.out_path, "w")
+        if not agent and standalone and not torchrun_args:
+            self.proc = preloaded.Workers(args, nproc, cwd, env, self.out_path)
+            return
         self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=self._out, stderr=subprocess.STDOUT,
                                      start_new_session=True)
 
@@ -154,6 +162,8 @@ class Job:
 
     def workers(self) -> Dict[int, int]:
         """{global rank: pid} of torchrun's current workers."""
+        if isinstance(self.proc, preloaded.Workers):
+            return self.proc.workers()
         return {int(_env_of(pid)["RANK"]): pid for pid in _children(self.proc.pid)}
 
     def kill(self) -> None:
@@ -177,18 +187,19 @@ class Job:
         self._out.close()
 
 
-def run(args: List[str], cwd: Path, nproc: int = 0, timeout: float = 150, **kw) -> SimpleNamespace:
-    with Job(args, cwd, nproc, **kw) as job:
+def run(args: List[str], cwd: Path, nproc: int = 0, timeout: float = 150, agent: bool = False, **kw
+        ) -> SimpleNamespace:
+    with Job(args, cwd, nproc, agent=agent, **kw) as job:
         rc = job.wait(timeout)
         return SimpleNamespace(returncode=rc, output=job.output())
 
 
-def run_all(jobs: List[tuple], cwd: Path, timeout: float = 150) -> List[SimpleNamespace]:
-    """Start several (args, nproc) jobs at once and wait for all of them (2 cores: imports overlap)."""
+def run_all(jobs: List[tuple], cwd: Path, timeout: float = 150, agent: bool = False) -> List[SimpleNamespace]:
+    """Start several (args, nproc) jobs at once and wait for all of them (2 cores: they overlap)."""
     started = []
     try:
         for args, nproc in jobs:
-            started.append(Job(args, cwd, nproc))
+            started.append(Job(args, cwd, nproc, agent=agent))
         results = [SimpleNamespace(returncode=job.wait(timeout), output=job.output()) for job in started]
     finally:
         for job in started:
@@ -274,9 +285,11 @@ class Background:
     def __init__(self, root: Path, wanted: set):
         self.root, self.wanted, self.jobs, self.results = root, wanted, {}, {}
 
-    def start(self, name: str, args: List[str], nproc: int = 0, torchrun_args: List[str] = ()) -> None:
+    def start(self, name: str, args: List[str], nproc: int = 0, torchrun_args: List[str] = (), agent: bool = False
+              ) -> None:
+        """A job through real torchrun where its agent is tested (``agent``, or its own torchrun_args)."""
         if name in self.wanted:
-            self.jobs[name] = Job(args, self.root, nproc, torchrun_args)
+            self.jobs[name] = Job(args, self.root, nproc, torchrun_args, agent=agent or bool(torchrun_args))
 
     def result(self, name: str) -> SimpleNamespace:
         if name not in self.results:
@@ -360,7 +373,7 @@ def jobs(request, tmp_path_factory):
         # accum 1 on 2 ranks: rank 1's forward 5 is step 5, NaN there (trainer.nonfinite=stop, the default).
         bg.start("nan_stop", SMALL + gated(root / "nan_stop-gate", 5, rank=1)
                  + ["trainer.ckpt_every=2", "trainer.max_steps=8", "+model.nan_calls=[5]", "+model.nan_rank=1",
-                    f"hydra.run.dir={root / 'nan_stop'}"], nproc=2)
+                    f"hydra.run.dir={root / 'nan_stop'}"], nproc=2, agent=True)  # the agent's summary of the exits
         yield SimpleNamespace(root=root, result=bg.result, job=bg.jobs.__getitem__)
     finally:
         bg.close()

@@ -361,7 +361,7 @@ def test_an_expert_parallel_run_exports_hf_model_that_transformers_loads_with_eq
                        *[f"+model.config.{k}={v}" for k, v in config.items()], "data.block_size=32",
                        "batch.micro_batch_size=4", "batch.global_batch_size=16", "trainer.max_steps=3",
                        "trainer.eval_every=0", "dist.strategy=fsdp", "dist.ep.size=2", f"hydra.run.dir={run_dir}"],
-                      tmp_path, timeout=400, torchrun_nproc=2)
+                      tmp_path, timeout=400, torchrun_nproc=2, agent=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     theirs = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "hf_model", dtype=torch.float32)
     final = {k[len("model."):]: v for k, v in torch.load(run_dir / "final_model.pt", weights_only=True).items()}

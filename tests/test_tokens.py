@@ -177,7 +177,8 @@ def test_two_ranks_train_on_a_prepared_file(corpus, tmp_path):
                        "model.vocab_size=257", "model.n_layer=1", "model.n_embd=32", "model.n_head=2",
                        "data.block_size=32", "batch.micro_batch_size=8", "batch.global_batch_size=32",
                        "trainer.max_steps=25", "trainer.eval_every=0", "trainer.eval_batches=2",
-                       "optim.lr=3e-3", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, torchrun_nproc=2)
+                       "optim.lr=3e-3", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, torchrun_nproc=2,
+                      agent=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["loss"] < 0.8 * records[0]["loss"] and "eval_loss" in records[-1]
