@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from dist_trainer import distributed
 from dist_trainer.config import validate
 from dist_trainer.data import epoch_batches
 from dist_trainer.run import build, train
-from helpers import assert_all_close_scaled, regression_config, run_ranks
+from helpers import assert_all_close_scaled, job_record, regression_config, run_jobs, run_ranks
 
 
 def _gpt_config(precision: str, steps: int, micro: int = 4, glob: int = 32):
@@ -47,11 +48,28 @@ def _master_worker(rank, world_size, precision, steps):
     return result
 
 
-def test_master_weights_stay_bit_identical_across_ranks_with_accumulation(tmp_path):
+def _job(env, world_size, name, fn, *args):
+    """run_jobs' runner: a job is one of this file's rank functions and its arguments."""
+    return {"result": fn(env.rank, world_size, *args)}
+
+
+@pytest.fixture(scope="module")
+def ranks2(tmp_path_factory):
+    """The file's 2-rank jobs in one launch (helpers.run_jobs: a job that raises fails only its tests); the
+    job that guards against a hang (a short last step) keeps a launch of its own."""
+    root = tmp_path_factory.mktemp("ranks2")
+    jobs = [*((f"master {p}", _master_worker, p, 4) for p in ("bf16-master", "fp16-master")),
+            *((f"grads {p}", _grads_worker, p, 4) for p in ("bf16-master", "fp16-master")),
+            ("bn", _bn_worker, root / "bn")]
+    results = run_ranks(run_jobs, 2, root, jobs, _job, timeout=240)
+    return SimpleNamespace(root=root, get=lambda name: [job_record(r, name)["result"] for r in results])
+
+
+def test_master_weights_stay_bit_identical_across_ranks_with_accumulation(ranks2):
     # accum 4 (2 ranks x micro 4 x 4 = 32): if only the last micro-batch's
     # gradient were all-reduced, the FP32 masters would drift apart at once.
     for precision in ("bf16-master", "fp16-master"):
-        r0, r1 = run_ranks(_master_worker, 2, tmp_path / precision, precision, 4)
+        r0, r1 = ranks2.get(f"master {precision}")
         half = {"bf16-master": torch.bfloat16, "fp16-master": torch.float16}[precision]
         assert set(r0["param_dtypes"]) == {str(torch.float32), str(half)}  # LayerNorm stays FP32
         assert r0["master_dtypes"] == [str(torch.float32)]
@@ -74,7 +92,7 @@ def _grads_worker(rank, world_size, precision, micro):
     return result
 
 
-def test_master_modes_accumulate_every_micro_batch(tmp_path):
+def test_master_modes_accumulate_every_micro_batch(ranks2, tmp_path):
     # 2 ranks x micro 4 x accum 4 in a master mode against one batch of 32 in fp32:
     # the FP32 masters' gradient is the whole step's mean up to half-precision
     # rounding of each micro-batch's forward and backward. Losing a micro-batch
@@ -82,7 +100,7 @@ def test_master_modes_accumulate_every_micro_batch(tmp_path):
     ref = run_ranks(_grads_worker, 1, tmp_path / "fp32", "fp32", 32)[0]
     flat = lambda grads: torch.cat([g.flatten() for g in grads])  # noqa: E731
     for precision, tol in (("bf16-master", 3e-2), ("fp16-master", 5e-3)):
-        r0, r1 = run_ranks(_grads_worker, 2, tmp_path / precision, precision, 4)
+        r0, r1 = ranks2.get(f"grads {precision}")
         assert r0["accum"] == 4 and not r0["skipped"]
         assert all(torch.equal(a, b) for a, b in zip(r0["grads"], r1["grads"]))
         gap = ((flat(r0["grads"]) - flat(ref["grads"])).norm() / flat(ref["grads"]).norm()).item()
@@ -130,13 +148,13 @@ def _bn_worker(rank, world_size, run_dir):
     train(_bn_config(micro=8), run_dir)
 
 
-def test_sync_batchnorm_on_two_ranks_equals_one_process_on_the_whole_batch(tmp_path):
+def test_sync_batchnorm_on_two_ranks_equals_one_process_on_the_whole_batch(ranks2, tmp_path):
     # 2 ranks x 8 samples with synchronized statistics see exactly the batch
     # statistics of 16 samples in one process: weights and running stats agree.
     train(_bn_config(micro=16), tmp_path / "one")
-    run_ranks(_bn_worker, 2, tmp_path, tmp_path / "two")
+    ranks2.get("bn")  # 2 ranks x 8 into ranks2.root / "bn"
     ref = torch.load(tmp_path / "one" / "final_model.pt", weights_only=True)
-    got = torch.load(tmp_path / "two" / "final_model.pt", weights_only=True)
+    got = torch.load(ranks2.root / "bn" / "final_model.pt", weights_only=True)
     assert any("running_var" in k for k in got)
     assert_all_close_scaled(got, ref, "synchronized BatchNorm on 2 ranks vs 1")
 

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +18,8 @@ from dist_trainer import distributed
 from dist_trainer.config import validate
 from dist_trainer.data import epoch_batches
 from dist_trainer.run import build, train
-from helpers import RegressionMLP, assert_all_close_scaled, assert_close_scaled, regression_config, run_ranks
+from helpers import (RegressionMLP, assert_all_close_scaled, assert_close_scaled, job_record, regression_config,
+                     run_jobs, run_ranks)
 
 
 class GradSnoopMLP(nn.Module):
@@ -55,6 +57,32 @@ def _steps(parts, count):
         yield step, parts.trainer.train_step(micro_batches, window, step)
 
 
+# --------------------------------------------------------------------------- one launch for the file's 2-rank jobs
+
+def _split_config():
+    return regression_config(micro=4, glob=32, steps=3)
+
+
+def _job(env, world_size, name, fn, *args):
+    """run_jobs' runner: a job is one of this file's rank functions and its arguments."""
+    return {"result": fn(env.rank, world_size, *args)}
+
+
+@pytest.fixture(scope="module")
+def ranks2(tmp_path_factory):
+    """Every 2-rank job of this file in one launch (helpers.run_jobs: a job that raises fails only its tests);
+    the job that guards against a hang (a rank without held-out samples) keeps a launch of its own."""
+    root = tmp_path_factory.mktemp("ranks2")
+    jobs = [("snoop4", _snoop_worker, 4), ("snoop1", _snoop_worker, 1), ("naive", _naive_sync_worker),
+            ("split", _train_worker, _split_config(), str(root / "split")), ("skip", _skip_worker),
+            ("views", _grad_storages_worker, False), ("unused", _grad_storages_worker, True)]
+    results = run_ranks(run_jobs, 2, root, jobs, _job, timeout=LAUNCH_TIMEOUT_S)
+    return SimpleNamespace(root=root, get=lambda name: [job_record(r, name)["result"] for r in results])
+
+
+LAUNCH_TIMEOUT_S = 240  # the merged launch: a hang fails its tests instead of blocking the suite
+
+
 def _snoop_worker(rank, world_size, accum):
     cfg = regression_config(micro=4, accum=accum, steps=2)
     cfg.model = {"_target_": f"{__name__}.GradSnoopMLP"}
@@ -74,9 +102,8 @@ def _snoop_worker(rank, world_size, accum):
     return result
 
 
-def test_one_allreduce_per_bucket_per_step_and_local_grads_differ_until_the_last(tmp_path):
-    accum4 = run_ranks(_snoop_worker, 2, tmp_path, 4)
-    accum1 = run_ranks(_snoop_worker, 2, tmp_path / "a1", 1)
+def test_one_allreduce_per_bucket_per_step_and_local_grads_differ_until_the_last(ranks2):
+    accum4, accum1 = ranks2.get("snoop4"), ranks2.get("snoop1")
     for rank in range(2):
         # As many all-reduces as DDP has buckets, with 4 micro-batches as with 1.
         assert accum4[rank]["calls"] == accum1[rank]["calls"]
@@ -92,9 +119,9 @@ def test_one_allreduce_per_bucket_per_step_and_local_grads_differ_until_the_last
         assert torch.equal(a, b)
 
 
-def test_counter_sees_every_allreduce_without_no_sync(tmp_path):
+def test_counter_sees_every_allreduce_without_no_sync(ranks2):
     """Guard for the test above: the counter is not blind to extra all-reduces."""
-    results = run_ranks(_naive_sync_worker, 2, tmp_path)
+    results = ranks2.get("naive")
     assert results[0] == results[1] == 4
 
 
@@ -119,17 +146,16 @@ def _train_worker(rank, world_size, cfg, run_dir):
     train(cfg, Path(run_dir))
 
 
-def test_two_ranks_times_accumulation_equal_one_big_batch(tmp_path):
+def test_two_ranks_times_accumulation_equal_one_big_batch(ranks2, tmp_path):
     # Why the data order makes this hold: every optimizer step takes the same 32
     # samples (a slice of one seeded permutation, independent of the world size),
     # and only how they are dealt to ranks and micro-batches changes; the update
     # is the gradient of their mean either way.
     big = regression_config(micro=32, accum=1, steps=3)
     train(big, tmp_path / "big")  # one process, in this one
-    split = regression_config(micro=4, glob=32, steps=3)
-    run_ranks(_train_worker, 2, tmp_path, split, str(tmp_path / "split"))
+    ranks2.get("split")  # the launch's 2 ranks x micro 4 (_split_config)
     ref = torch.load(tmp_path / "big" / "final_model.pt", weights_only=True)
-    got = torch.load(tmp_path / "split" / "final_model.pt", weights_only=True)
+    got = torch.load(ranks2.root / "split" / "final_model.pt", weights_only=True)
     assert ref.keys() == got.keys()
     assert_all_close_scaled(got, ref, "2 ranks x micro 4 vs 1 x 32")
     # Guard: the comparison is between trained weights, not two copies of the init.
@@ -162,14 +188,15 @@ def _skip_worker(rank, world_size):
         outcomes.append(outcome)
         params.append([p.detach().clone() for p in parts.trainer.model.parameters()])
     result = {"params": params, "outcomes": outcomes, "updates": parts.trainer.updates,
-              "log": collect.messages}
+              "log": list(collect.messages)}
+    logging.getLogger("dist_trainer").removeHandler(collect)  # the launch's next job logs to its own
     del parts
     gc.collect()
     return result
 
 
-def test_fp16_nonfinite_gradient_on_one_rank_skips_the_step_on_all_ranks(tmp_path):
-    results = run_ranks(_skip_worker, 2, tmp_path)
+def test_fp16_nonfinite_gradient_on_one_rank_skips_the_step_on_all_ranks(ranks2):
+    results = ranks2.get("skip")
     for r in results:
         skipped = [o.skipped for o in r["outcomes"]]
         assert skipped == [False, True, False]
@@ -325,14 +352,14 @@ def _grad_storages_worker(rank, world_size, find_unused):
     return storages, buckets, params
 
 
-def test_gradients_live_in_ddps_buckets_unless_parameters_may_go_unused(tmp_path):
+def test_gradients_live_in_ddps_buckets_unless_parameters_may_go_unused(ranks2):
     """dist.gradient_as_bucket_view: every step's gradients are views of the (one, here) all-reduce bucket,
     the same storage from step to step (zeroed in place); with find_unused_parameters each has its own."""
-    (storages, buckets, params), _ = run_ranks(_grad_storages_worker, 2, tmp_path / "views", False)
+    (storages, buckets, params), _ = ranks2.get("views")
     assert buckets == 1 and params == 4
     # DDP rebuilds its buckets once, after the first step: from then on, the same storage every step
     assert [len(s) for s in storages] == [1, 1, 1] and storages[1] == storages[2]
-    (storages, _, params), _ = run_ranks(_grad_storages_worker, 2, tmp_path / "unused", True)
+    (storages, _, params), _ = ranks2.get("unused")
     assert all(len(s) == params for s in storages)
 
 
