@@ -42,8 +42,8 @@ def sensitive_set() -> list:
 
 def collect(*args: str) -> list:
     """pytest --collect-only's test ids for these arguments."""
-    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
-                          cwd=REPO, capture_output=True, text=True)
+    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-n", "0", *args]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if proc.returncode not in (0, 5):
         raise SystemExit(f"collection failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return sorted(line.strip() for line in proc.stdout.splitlines() if "::" in line and not line.startswith(" "))

@@ -7,7 +7,8 @@
 
 It runs pytest with per-test durations (``--junitxml``) and the suite_profile plugin (tests/suite_profile.py),
 which counts the processes each test starts and of which kind. Start-up is estimated per test as its
-process starts times what one start of that kind costs on this machine, measured here first: a cold
+process starts times what one start of that kind costs on this machine (a launch's ranks start two at a
+time, one a core), measured here first: a cold
 ``python`` importing what a rank imports (torch, Hydra, dist_trainer, transformers, peft, torchao), and a
 fork from the preloaded server (tests/preloaded.py). Compute is the rest of the test's time.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -60,6 +62,12 @@ KIND_COST = {"rank_SpawnProcess": "cold", "python": "cold", "torchrun": "cold", 
              "rank_ForkServerProcess": "fork", "rank_ForkProcess": "fork", "rank_Process": "fork", "other": None}
 
 
+def _wall_starts(kind: str, n: int) -> float:
+    """How many starts' worth of wall time ``n`` starts of ``kind`` cost: a launch's ranks (and torchrun's
+    workers) import side by side on the 2 cores, two at a time; a lone process or agent costs a whole start."""
+    return math.ceil(n / 2) if kind.startswith("rank_") or kind == "torchrun_rank" else n
+
+
 def run_suite(out_dir: Path, marker: str | None, extra: list) -> float:
     out_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "DT_SUITE_PROFILE": str(out_dir / "starts.json"),
@@ -86,7 +94,7 @@ def tables(out_dir: Path, costs: dict, label: str) -> str:
         file = f"{parts[1]}.py" if len(parts) > 1 else f"{parts[0]}.py"
         node = "::".join([f"tests/{file}", *parts[2:], case.get("name")])
         kinds = starts.get(node, {})
-        startup = sum(n * costs[KIND_COST[k]] for k, n in kinds.items() if KIND_COST.get(k))
+        startup = sum(_wall_starts(k, n) * costs[KIND_COST[k]] for k, n in kinds.items() if KIND_COST.get(k))
         status = ("failed" if case.find("failure") is not None or case.find("error") is not None
                   else "skipped" if case.find("skipped") is not None else "passed")
         outcome[status] += 1

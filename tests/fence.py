@@ -116,11 +116,18 @@ class Fence:
         return changed
 
     def stray_threads(self, grace_s: float = THREAD_GRACE_S) -> List[threading.Thread]:
-        """Non-daemon threads started since the snapshot and still running after ``grace_s``."""
+        """Non-daemon threads started since the snapshot and still running after ``grace_s``.
+
+        An executor's idle workers (concurrent.futures, e.g. inductor's compile pool kept for the next
+        compile) are not strays: their executor owns them and the interpreter's exit ends them.
+        """
+        from concurrent.futures import thread as pool
+
         deadline = time.monotonic() + grace_s
         while True:
+            pooled = set(getattr(pool, "_threads_queues", {}))
             stray = [t for t in threading.enumerate()
-                     if t.ident not in self.threads and not t.daemon and t.is_alive()]
+                     if t.ident not in self.threads and not t.daemon and t.is_alive() and t not in pooled]
             if not stray or time.monotonic() > deadline:
                 return stray
             stray[0].join(timeout=max(0.0, min(0.1, deadline - time.monotonic())))

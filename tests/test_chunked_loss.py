@@ -71,7 +71,7 @@ MODEL = {"vocab_size": 1000, "block_size": 24, "n_layer": 2, "n_head": 2, "n_emb
 HALF_TOL = {torch.bfloat16: 3e-2, torch.float16: 5e-3}
 NOT_WORSE = 1.25  # the chunked half-type gradients' error from float64, at most this times the plain path's
 # fp32's rounding of a sum of tens of terms taken in another order, relative to the set's scale: a few 1e-7.
-FP32_REORDER = 1e-6
+REORDER_TOL = 1e-6
 
 
 # ------------------------------------------------------------------------------------------ one process
@@ -119,9 +119,9 @@ def test_fp32_chunked_loss_equals_the_plain_loss(chunk, float64_run):
     assert_all_close_scaled(chunked[2], plain[2], f"gradients, chunks of {chunk}", SCALE_TOL)
     exact = float64_run[2]
     # Not less accurate than the plain path: its error from float64 within 1.5 times the plain path's, up to
-    # FP32_REORDER (the chunks sum the head's gradient in another order; on an AMD EPYC with AVX-512, chunks of
+    # REORDER_TOL (the chunks sum the head's gradient in another order; on an AMD EPYC with AVX-512, chunks of
     # 7 measured 8.8e-7 against the plain path's 4.8e-7). A sum kept in a half type would be 1e-3 or more.
-    assert _set_error(chunked[2], exact) <= 1.5 * _set_error(plain[2], exact) + FP32_REORDER
+    assert _set_error(chunked[2], exact) <= 1.5 * _set_error(plain[2], exact) + REORDER_TOL
 
 
 @pytest.mark.parametrize("chunk", [7, 17])

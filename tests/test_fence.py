@@ -81,6 +81,21 @@ def test_the_fence_puts_back_everything_a_test_changes_in_pytests_process(tmp_pa
     assert _fingerprint() == before
 
 
+def test_an_executors_idle_workers_are_not_strays_but_a_plain_thread_is():
+    from concurrent.futures import ThreadPoolExecutor
+
+    fence = Fence()
+    pool = ThreadPoolExecutor(2)  # as inductor keeps its compile workers for the next compile
+    assert pool.submit(lambda: 1).result() == 1
+    stop = threading.Event()
+    threading.Thread(target=stop.wait, name="plain", daemon=False).start()
+    try:
+        assert [t.name for t in fence.stray_threads(grace_s=0.2)] == ["plain"]
+    finally:
+        stop.set()
+        pool.shutdown()
+
+
 def test_dynamos_compiled_code_does_not_outlive_the_test():
     from torch._dynamo.utils import counters
 
