@@ -168,14 +168,13 @@ def run_ranks(fn: Callable, world_size: int, tmp_path: Path, *args: Any, timeout
                 break
             if timeout is not None and time.monotonic() > deadline:
                 missing = [r for r, ok in enumerate(done) if not ok]
-                preloaded.dump_stacks(ctx.processes)
                 pytest.fail(f"{world_size} ranks did not finish in {timeout:.0f} s: a collective hangs "
                             f"(ranks {missing} saved no result; every rank's stacks are in the captured stderr)")
-    except BaseException:
-        preloaded.dump_stacks(ctx.processes)  # pytest-timeout's, or a rank's failure: where the others were
+    except BaseException:  # a launch past its timeout, pytest-timeout's, or a rank's failure: where each rank was
+        preloaded.dump_stacks(ctx.processes)
         raise
     finally:
-        _kill(ctx)
+        preloaded.kill_all(ctx.processes)
         preloaded.show_logs(logs, f"{fn.__name__} on {world_size} ranks:")
     return [torch.load(path, weights_only=False) for path in results]
 
@@ -186,17 +185,8 @@ def _let_exit(ctx) -> None:
     while not ctx.join(timeout=1.0):  # re-raises a rank's exception, or names its exit code
         if time.monotonic() > exit_deadline:
             alive = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
-            preloaded.dump_stacks(ctx.processes)
             pytest.fail(f"ranks {alive} saved their results but did not exit in {EXIT_GRACE_S} s "
                         "(their stacks are in the captured stderr)")
-
-
-def _kill(ctx) -> None:
-    for process in ctx.processes:
-        if process.is_alive():
-            process.kill()
-    for process in ctx.processes:
-        process.join()
 
 
 class RegressionMLP(torch.nn.Module):

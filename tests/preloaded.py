@@ -143,6 +143,15 @@ def dump_stacks(processes) -> None:
         time.sleep(STACKS_GRACE_S)
 
 
+def kill_all(processes) -> None:
+    """SIGKILL whichever of ``processes`` still run, then reap them all."""
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+    for process in processes:
+        process.join()
+
+
 def run_cli(argv: List[str], cwd: Path, timeout: float, env: Optional[Dict[str, str]] = None
             ) -> subprocess.CompletedProcess:
     """``python -m dist_trainer *argv`` forked from the preloaded server; a CompletedProcess like subprocess.run's.
@@ -162,8 +171,7 @@ def run_cli(argv: List[str], cwd: Path, timeout: float, env: Optional[Dict[str, 
     timed_out = process.is_alive()
     if timed_out:
         dump_stacks([process])
-        process.kill()
-        process.join()
+        kill_all([process])
     out, err = (Path(f"{prefix}.{suffix}").read_text(errors="replace") if Path(f"{prefix}.{suffix}").is_file()
                 else "" for suffix in ("out", "err"))
     shutil.rmtree(log_dir, ignore_errors=True)
@@ -254,8 +262,4 @@ class Workers:
         return self.returncode
 
     def kill(self) -> None:
-        for p in self.processes:
-            if p.is_alive():
-                p.kill()
-        for p in self.processes:
-            p.join()
+        kill_all(self.processes)

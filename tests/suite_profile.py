@@ -63,8 +63,7 @@ def pytest_sessionfinish(session, exitstatus):
     worker = os.environ.get("PYTEST_XDIST_WORKER")  # under pytest-xdist: one file a worker, none from the controller
     if worker:
         path = f"{path}.{worker}" if path else None
-    elif path and hasattr(session.config, "workerinput") is False and session.config.pluginmanager.hasplugin(
-            "dsession"):
+    elif session.config.pluginmanager.hasplugin("dsession"):  # pytest-xdist's controller: its workers count
         return
     if path:
         with open(path, "w") as f:
