@@ -48,3 +48,12 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "image: builds docker/Dockerfile with buildah and runs it (installs buildah as "
                             "root if missing; about 2 minutes with the cached base image)")
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+
+
+def pytest_collection_finish(session):
+    # The test modules' imports (torch, transformers, ...) out of the collector's reach, as in the preloaded
+    # server (tests/gc_frozen.py): a gc.collect() in a case run in this process then walks only what it made.
+    import gc
+
+    gc.collect()
+    gc.freeze()

@@ -45,7 +45,7 @@ PRELOAD = [
     "dist_trainer.run", "dist_trainer.cli", "dist_trainer.plan", "dist_trainer.trainer",
     "transformers", "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
     "transformers.models.gpt2.modeling_gpt2", "transformers.models.bert.modeling_bert", "peft",
-    "torchao.float8", "helpers",
+    "torchao.float8", "helpers", "gc_frozen",  # gc_frozen last: it freezes what the others made
 ]
 
 # Read by the preloaded modules at import, so fixed for every forked process: set before the server starts.
