@@ -131,6 +131,28 @@ def test_a_forked_case_leaks_nothing_into_the_next(tmp_path):
         assert clean[rank] == dirty[rank], rank
 
 
+def _preloaded_rank(rank, world_size, names):
+    import gc
+    import sys
+
+    return {"missing": [n for n in names if n not in sys.modules], "frozen": gc.get_freeze_count(),
+            "tracked": len(gc.get_objects())}
+
+
+def test_a_forked_case_starts_with_the_whole_preload_frozen(tmp_path):
+    # Every module of the preload that this process can import is already imported in a forked case, whichever
+    # folder pytest runs from; and the imports' objects are out of the collector's reach (tests/gc_frozen.py),
+    # so a gc.collect() there walks what the case made, not the million objects torch and transformers made.
+    import importlib.util
+
+    import preloaded
+
+    names = [n for n in preloaded.PRELOAD if importlib.util.find_spec(n.split(".")[0]) is not None]
+    for rank, got in enumerate(run_ranks(_preloaded_rank, 2, tmp_path, names)):
+        assert got["missing"] == [], (rank, got)
+        assert got["frozen"] > 100_000 and got["tracked"] < 50_000, (rank, got)
+
+
 def _hang_rank(rank, world_size):
     if rank == 1:
         dist.barrier()  # rank 0 never joins: a collective that hangs
