@@ -122,8 +122,7 @@ def run_job(dict_cfg: DictConfig) -> None:
             CheckpointWriteError) as err:
         report_error(type(err).__name__, str(err))
         _stop(err)
-    except Preempted as err:
-        log.warning("%s", err)
+    except Preempted as err:  # said by dist_trainer.run.train, on every rank before any left
         pass_on(err.signum)  # submitit's handler requeues the job (rank 0)
         sys.exit(EXIT_REQUEUE)
 

@@ -53,11 +53,12 @@ SAMPLES_PER_STEP = 16  # global 32 on 2 ranks
 BLOCK_AFTER_STEPS = 32  # rank 1's loader blocks once it has loaded this many steps' samples
 
 
-def _slow_rank_args(run_dir: Path, blocked: Path, max_steps: int, block_after: int) -> list:
+def _slow_rank_args(run_dir: Path, blocked: Path, max_steps: int, block_after: int,
+                    step_timeout_s: int = TIMEOUT_S) -> list:
     return TINY + ["batch.global_batch_size=32", "batch.micro_batch_size=8", f"trainer.max_steps={max_steps}",
                    "data._target_=helpers.SlowOnOneRank", "+data.slow_rank=1", "+data.sleep_s=0.004",
                    f"+data.block_after={block_after}", f"+data.blocked_file={blocked}",
-                   "data.num_workers=1", f"dist.step_timeout_s={TIMEOUT_S}", f"hydra.run.dir={run_dir}"]
+                   "data.num_workers=1", f"dist.step_timeout_s={step_timeout_s}", f"hydra.run.dir={run_dir}"]
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,10 @@ def slow_rank(tmp_path_factory):
     """BLOCK_AFTER_STEPS steps with rank 1's loader slow and never blocked: a run that ends by itself."""
     root = tmp_path_factory.mktemp("slow")
     run_dir = root / "run"
-    with Job(_slow_rank_args(run_dir, root / "never", BLOCK_AFTER_STEPS, 10 ** 9), root, 2, agent=False) as job:
+    # Nothing hangs here, so the watchdog gets a deadline no loaded machine reaches (a step or an evaluation
+    # took 11 s beside a 2-core CPU hog, over TIMEOUT_S).
+    args = _slow_rank_args(run_dir, root / "never", BLOCK_AFTER_STEPS, 10 ** 9, step_timeout_s=120)
+    with Job(args, root, 2, agent=False) as job:
         code = job.wait(240)
         output = job.output()
     assert code == 0, output[-4000:]
