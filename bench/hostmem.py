@@ -3,8 +3,10 @@
     python bench/hostmem.py                    # 3 rounds, 10 warm-up + 40 timed steps per run, ~2 min
 
 The benchmark job of bench/overhead.py through ``torchrun -m dist_trainer``,
-with ``trainer.tune_malloc=true`` (the default) and ``=false`` alternated in
-fresh launches. Per run: the median ``step_time_s``, the peak resident set of
+alternated in fresh launches: ``trainer.tune_malloc=true`` (the default: glibc's mmap threshold fixed at
+1 MiB), the same with every block up to 1 GiB kept in the heap (``MALLOC_MMAP_THRESHOLD_`` and
+``MALLOC_TRIM_THRESHOLD_`` at 1 GiB: what the tuning did before the fsdp steps' heap was found to fragment),
+and ``=false`` (glibc's own, moving threshold). Per run: the median ``step_time_s``, the peak resident set of
 rank 0 (``peak_mem_mb`` of its last step), and the minor page faults of the
 whole launch (agent and both ranks, from this process's RUSAGE_CHILDREN). The
 start-up work is the same in both, so the difference in faults divided by the
@@ -24,13 +26,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import allocator_env, machine_description  # noqa: E402
 from overhead import run_dist_trainer  # noqa: E402
 
-VARIANTS = {"tuned": "trainer.tune_malloc=true", "system": "trainer.tune_malloc=false"}
+GIB = str(1 << 30)
+VARIANTS = {  # name: (override, environment)
+    "tuned": ("trainer.tune_malloc=true", {}),
+    "heap 1 GiB": ("trainer.tune_malloc=true", {"MALLOC_MMAP_THRESHOLD_": GIB, "MALLOC_TRIM_THRESHOLD_": GIB}),
+    "mmap 1 MiB": ("trainer.tune_malloc=true", {"MALLOC_MMAP_THRESHOLD_": str(1 << 20),
+                                                "MALLOC_TRIM_THRESHOLD_": str(64 << 20)}),
+    "system": ("trainer.tune_malloc=false", {}),
+}
 
 
-def one_run(setting: str, warmup: int, steps: int) -> dict:
+def one_run(setting: tuple, warmup: int, steps: int) -> dict:
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt
+    override, env = setting
     with tempfile.TemporaryDirectory(prefix="bench-hostmem-") as tmp:
-        result = run_dist_trainer(Path(tmp), warmup, steps, 600, extra=(setting,))
+        result = run_dist_trainer(Path(tmp), warmup, steps, 600, extra=(override,), env=env)
     result["faults"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt - before
     return result
 
@@ -49,7 +59,7 @@ def main() -> None:
         for name, setting in VARIANTS.items():
             r = one_run(setting, args.warmup, args.steps)
             runs[name].append(r)
-            print(f"round {rnd} {name:6s} median step {statistics.median(r['times']) * 1000:6.1f} ms | "
+            print(f"round {rnd} {name:10s} median step {statistics.median(r['times']) * 1000:6.1f} ms | "
                   f"peak RSS rank 0 {r['peak_mem_mb']:6.1f} MiB | minor faults {r['faults']:,}", flush=True)
     total_steps = args.warmup + args.steps + 1
     ref = [statistics.median(r["times"]) for r in runs["system"]]
@@ -62,9 +72,10 @@ def main() -> None:
         print(f"| {name} | {statistics.median(meds) * 1000:.1f} | {ratio:.3f} | "
               f"{statistics.median(r['peak_mem_mb'] for r in runs[name]):.1f} | "
               f"{statistics.median(r['faults'] for r in runs[name]):,.0f} |")
-    saved = (statistics.median(r["faults"] for r in runs["system"])
-             - statistics.median(r["faults"] for r in runs["tuned"])) / total_steps
-    print(f"\nfaults saved per optimizer step (both ranks): {saved:,.0f}")
+    for name in ("tuned", "heap 1 GiB", "mmap 1 MiB"):
+        saved = (statistics.median(r["faults"] for r in runs["system"])
+                 - statistics.median(r["faults"] for r in runs[name])) / total_steps
+        print(f"faults saved per optimizer step against the system's (both ranks), {name}: {saved:,.0f}")
 
 
 if __name__ == "__main__":

@@ -58,13 +58,14 @@ def log_times(log: Path) -> Dict[int, float]:
 
 
 def run_dist_trainer(workdir: Path, warmup: int, steps: int, timeout: float,
-                     launcher: tuple = ("-m", "dist_trainer"), extra: tuple = ()) -> dict:
+                     launcher: tuple = ("-m", "dist_trainer"), extra: tuple = (), env: dict = None) -> dict:
     run_dir = workdir / "dist_trainer_run"
     total = warmup + steps + 1  # +1: the last step also evaluates, and its log line would include that
     log_every = math.gcd(warmup, steps) or 1
     cmd = torchrun_cmd(*launcher, *DIST_TRAINER_OVERRIDES, f"trainer.max_steps={total}",
                        f"trainer.log_every={log_every}", f"hydra.run.dir={run_dir}", *extra)
-    proc = subprocess.run(cmd, cwd=workdir, env=bench_env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=workdir, env=bench_env(**(env or {})), capture_output=True, text=True,
+                          timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(launcher)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]

@@ -146,9 +146,10 @@ class TrainerConfig:
     ckpt_dir: Optional[str] = None
     nonfinite: str = "stop"  # fp32/bf16 non-finite gradients: stop or skip the step
     max_consecutive_skips: int = 10  # with nonfinite=skip
-    # CPU runs: glibc keeps freed blocks for reuse instead of page-faulting fresh
-    # ones every step (dist_trainer/hostmem.py); false leaves malloc as it is.
-    tune_malloc: bool = True
+    # CPU runs on glibc (dist_trainer/hostmem.py): reuse (every freed block kept in the heap: no step
+    # page-faults), bounded (blocks from 1 MiB up returned when freed: a sharded model's steps cannot fragment
+    # the heap past its plan), true (bounded when the model is cut across ranks, else reuse), false (as set).
+    tune_malloc: Any = True
     # torch.compile the model block by block (dist.blocks), or whole where it declares none
     compile: bool = False
 
@@ -677,6 +678,8 @@ def _validate_values(cfg: Config) -> None:
     _check(isinstance(t.ckpt_async, bool), "trainer.ckpt_async", t.ckpt_async, "must be true or false")
     _check_ckpt_dir(t.ckpt_dir)
     _check(t.device in ("auto", "cpu", "cuda"), "trainer.device", t.device, "choose auto, cpu or cuda")
+    _check(t.tune_malloc in (True, False, "reuse", "bounded"), "trainer.tune_malloc", t.tune_malloc,
+           "choose true, false, reuse or bounded")
     _check(t.nonfinite in NONFINITE_POLICIES, "trainer.nonfinite", t.nonfinite, f"choose one of {NONFINITE_POLICIES}")
     _check(t.max_consecutive_skips >= 1, "trainer.max_consecutive_skips", t.max_consecutive_skips, "must be >= 1")
     _check(d.bucket_cap_mb is None or d.bucket_cap_mb > 0, "dist.bucket_cap_mb", d.bucket_cap_mb, "must be > 0 or null")

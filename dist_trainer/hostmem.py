@@ -1,18 +1,25 @@
-"""Host memory: keep glibc's malloc from page-faulting every CPU training step.
+"""Host memory: glibc's malloc made steady, and bounded where the model is sharded, for CPU training steps.
 
-PyTorch's CPU allocator has no cache: every activation and gradient is a fresh
-``malloc``. glibc serves blocks above its mmap threshold (128 KiB at first,
-raised dynamically as large blocks are freed) with a new ``mmap`` and unmaps
-them on ``free``, so the next step touches brand-new pages and takes a minor
-page fault per 4 KiB. For the default job that was ~2,500 faults per rank per
-step, and how many depends on the order of earlier allocations, so it differs
-from one launch to the next. Fixing both thresholds high keeps those blocks in
-the heap, where the next step reuses them (0 faults per step measured).
+PyTorch's CPU allocator has no cache: every activation, gathered parameter and gradient is a fresh
+``malloc``. glibc's defaults serve blocks above its mmap threshold with a new ``mmap`` and raise that
+threshold (up to 32 MiB) as such blocks are freed, so which blocks page-fault each step depends on the
+order of earlier allocations. ``trainer.tune_malloc`` fixes the thresholds, one of two ways:
 
-The cost is resident memory: freed blocks stay in the process instead of going
-back to the OS, so RSS stays at its peak. A training process owns its machine
-and reaches that peak every step anyway.
+* ``reuse``: every block up to 1 GiB from the heap, kept when freed: no step page-faults (for the default
+  job that was ~2,500 faults per rank per step). But the heap fragments where large blocks come and go
+  between smaller ones that outlive them: under fsdp on 2 ranks a 216 MiB qwen2 trained with SGD held
+  1,235 MiB of heap after three steps with 379-403 MiB in use (mallinfo2), each rank 1.6-1.9 GiB resident,
+  4-6x the model's share and more than ddp holding the whole model. Neither one arena
+  (MALLOC_ARENA_MAX=1) nor glibc's own settings avoided it.
+* ``bounded``: blocks from 1 MiB up (a unit's gathered parameters, its reduce-scatter buffer, large
+  activations) get their own mapping and go back to the kernel when freed, so none can be stranded in the
+  heap; smaller ones are reused. The same run peaks at 0.8-0.9 GiB per rank. The price is the large blocks'
+  page faults, the same every step: on a 2 vCPU VM that run's step took 2.0 s against 1.06 s (1.4 s with
+  transparent huge pages: ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` plus the thresholds as MALLOC_*
+  variables). Measured in docs/benchmarks.md (bench/hostmem.py, bench/run_memory.py).
 
+``true`` (the default) is bounded where the model is cut across ranks (fsdp, hsdp, tp, pp: what sharding is
+for is memory) and reuse otherwise (ddp: its steps' blocks reuse well, 1.1 GiB either way in that run).
 Users who already chose (``MALLOC_*`` variables, ``GLIBC_TUNABLES``, or another
 allocator preloaded such as jemalloc or tcmalloc) are left alone, and so are
 C libraries other than glibc.
@@ -27,7 +34,9 @@ import platform
 # glibc's mallopt parameters (malloc.h)
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
-THRESHOLD_BYTES = 1 << 30  # blocks up to 1 GiB come from the heap and stay there when freed
+# mode: (mmap threshold, trim threshold). reuse: blocks up to 1 GiB from the heap and kept there when freed.
+# bounded: blocks from 1 MiB up in their own mappings, returned when freed; the heap's free top kept to 64 MiB.
+THRESHOLDS = {"reuse": (1 << 30, 1 << 30), "bounded": (1 << 20, 64 << 20)}
 
 _USER_CHOICES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES", "LD_PRELOAD")
 
@@ -37,8 +46,21 @@ def user_choice() -> str | None:
     return next((name for name in _USER_CHOICES if os.environ.get(name)), None)
 
 
-def keep_freed_memory() -> bool:
-    """Raise glibc's mmap and trim thresholds for this process; True if they were set."""
+def model_is_cut(mesh) -> bool:
+    """Whether a rank holds a part of the model, not all of it (fsdp, hsdp, tp, pp): ``true`` is bounded there."""
+    return mesh.strategy != "ddp" or mesh.tp > 1 or mesh.pp > 1
+
+
+def describe(mode: str) -> str:
+    return {"reuse": "freed blocks kept for reuse (trainer.tune_malloc=bounded returns blocks from 1 MiB up; "
+                     "false keeps the system's settings)",
+            "bounded": "blocks under 1 MiB reused, larger ones returned when freed, so the steps' heap cannot "
+                       "fragment (trainer.tune_malloc=reuse keeps every block: no page faults, memory grows; "
+                       "false keeps the system's settings)"}[mode]
+
+
+def keep_freed_memory(mode: str = "reuse") -> bool:
+    """Fix glibc's mmap and trim thresholds for this process as ``mode`` says (THRESHOLDS); True if set."""
     if user_choice() is not None or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL(None)  # the running process: its malloc is the one to tune
@@ -46,7 +68,8 @@ def keep_freed_memory() -> bool:
     if mallopt is None:
         return False
     # The mmap threshold first: once it is fixed, glibc stops adjusting it.
-    return bool(mallopt(M_MMAP_THRESHOLD, THRESHOLD_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, THRESHOLD_BYTES))
+    mmap_threshold, trim_threshold = THRESHOLDS[mode]
+    return bool(mallopt(M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(M_TRIM_THRESHOLD, trim_threshold))
 
 
 def available_bytes() -> int | None:
@@ -87,6 +110,16 @@ def _status_bytes(field: str) -> int | None:
     return None
 
 
+_EARLIER_PEAK = 0  # bytes: the most resident memory reached before a PhasePeak reset the kernel's peak
+
+
+def run_peak_mb() -> float | None:
+    """The most resident memory this process has held so far (MiB), across the resets PhasePeak makes; None
+    where the kernel does not say."""
+    peak = _status_bytes("VmHWM")
+    return None if peak is None else max(peak, _EARLIER_PEAK) / 2**20
+
+
 class PhasePeak:
     """The most resident memory a phase (loading the model, exporting it) added above what the process held
     before it: the kernel's peak (VmHWM) reset at the start (/proc/self/clear_refs, Linux 4.0 and later)
@@ -100,6 +133,8 @@ class PhasePeak:
         self._before: int | None = None
 
     def __enter__(self) -> "PhasePeak":
+        global _EARLIER_PEAK
+        _EARLIER_PEAK = max(_EARLIER_PEAK, _status_bytes("VmHWM") or 0)  # the run's peak survives the reset
         self._before = _status_bytes("VmRSS")
         try:
             with open("/proc/self/clear_refs", "w") as f:

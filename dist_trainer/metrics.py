@@ -19,7 +19,10 @@ def peak_mem_mb(device: torch.device) -> float:
     """Peak allocated device memory on CUDA; the process's peak resident set on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    from .hostmem import run_peak_mb  # the kernel's peak, kept across the resets of a phase's measurement
+
+    peak = run_peak_mb()
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB
 
 
 # Dense bf16/fp16 tensor-core peaks (FLOP/s) by device name; fp32 runs use the fp32 column.

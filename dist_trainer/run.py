@@ -119,15 +119,25 @@ def train(cfg: Config, run_dir: Path) -> Dict[str, Any]:
     env = distributed.init(cfg.trainer.device, cfg.dist.init_timeout_s)
     watch = watchdog.start(cfg.dist.step_timeout_s, cfg.dist.init_timeout_s, env.rank, env.world_size)
     if cfg.trainer.tune_malloc and env.device.type == "cpu":
-        tuned = hostmem.keep_freed_memory()  # before the model and data are allocated
+        mode = cfg.trainer.tune_malloc if isinstance(cfg.trainer.tune_malloc, str) else (
+            "bounded" if hostmem.model_is_cut(plan.mesh) else "reuse")
+        tuned = hostmem.keep_freed_memory(mode)  # before the model and data are allocated
         if env.is_main:
-            log.info("host malloc: %s", "freed blocks kept for reuse (trainer.tune_malloc=false to keep the "
-                     "system's settings)" if tuned else f"left as set ({hostmem.user_choice() or 'not glibc'})")
+            log.info("host malloc: %s", hostmem.describe(mode) if tuned else
+                     f"left as set ({hostmem.user_choice() or 'not glibc'})")
     finished = False
     try:
         summary = _train(cfg, plan, env, Path(run_dir), watch)
         finished = True
         return summary
+    except Preempted as err:
+        # Every rank stops here at the same step, its checkpoint written (the request is agreed in the step's
+        # all-reduce). Say so before any rank leaves, and leave together (shutdown's barrier): torchrun's agent
+        # stops the other workers as soon as one exits, which could cut this line off on a loaded machine.
+        log.warning("%s", err)
+        traceback.clear_frames(err.__traceback__)
+        finished = True
+        raise
     except BaseException as err:
         if watchdog.is_collective_failure(err):
             watch.collective_failed(err)  # names the step, the collective and who did not arrive; exits
@@ -275,13 +285,16 @@ def _train(cfg: Config, plan: BatchPlan, env: DistEnv, run_dir: Path, watch: Wat
     with hostmem.PhasePeak() as export:  # what writing the final model adds to this rank's memory
         save_final_model(parts.trainer.strategy, model, run_dir, env, position.step)
     report_host_memory("export", export.mb, numbers.get("export_host_peak_mb"), run_dir, env)
+    if env.device.type == "cpu":  # on CUDA the steps' tensors are the device's, and peak_mem_mb says so
+        report_host_memory("run", hostmem.run_peak_mb(), numbers.get("run_host_peak_mb"), run_dir, env)
     trackers.finish(tracking.final_artifacts(run_dir, cfg.logging.hf_model_artifact) if trackers.backends else [])
     return summary
 
 
 def report_host_memory(phase: str, mb: Optional[float], predicted: Optional[float], run_dir: Path,
                        env: DistEnv) -> None:
-    """Every rank's measured host memory of a phase (load, export) into host_memory.json; rank 0 logs the most."""
+    """Every rank's measured host memory of a phase (load, export: what it added; run: the process's whole
+    peak) into host_memory.json; rank 0 logs the most."""
     every: list = [None] * env.world_size
     dist.all_gather_object(every, mb)  # every rank takes part
     if not env.is_main or any(v is None for v in every):
@@ -291,8 +304,9 @@ def report_host_memory(phase: str, mb: Optional[float], predicted: Optional[floa
     record[f"{phase}_host_peak_mb"] = every
     path.write_text(json.dumps(record))
     rank = max(range(len(every)), key=every.__getitem__)
-    log.info("host memory added by the model's %s: %.0f MiB on rank %d, the most of any rank%s", phase,
-             every[rank], rank, f" (plan: {predicted:.0f} MiB)" if predicted is not None else "")
+    what = "the run's peak host memory" if phase == "run" else f"host memory added by the model's {phase}"
+    log.info("%s: %.0f MiB on rank %d, the most of any rank%s", what, every[rank], rank,
+             f" (plan: {predicted:.0f} MiB)" if predicted is not None else "")
 
 
 def start_trackers(cfg: Config, plan: BatchPlan, numbers: Dict[str, Any], run_dir: Path, is_main: bool,

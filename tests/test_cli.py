@@ -59,7 +59,7 @@ def test_default_job_under_torchrun_trains_and_writes_the_contract_outputs(tmp_p
     assert (run_dir / "rank0.log").exists() and (run_dir / "rank1.log").exists()
     assert "world size 2 x micro batch 16 x accum steps 2 = global batch 64" in proc.stdout
     if hostmem.user_choice() is None and platform.libc_ver()[0] == "glibc":  # trainer.tune_malloc's default
-        assert "host malloc: freed blocks kept for reuse" in proc.stdout
+        assert "host malloc: freed blocks kept for reuse" in proc.stdout  # ddp: the whole model on every rank
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 17))
     for r in records:

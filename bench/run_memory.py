@@ -1,0 +1,128 @@
+"""Each rank's host memory over a whole run, and what a larger model adds to it, under every mesh on 2 ranks.
+
+    python bench/run_memory.py                      # a 216 MiB and a 5x smaller qwen2, about 8 minutes on 2 cores
+    python bench/run_memory.py --sizes 216 1024     # and a 1 GiB one against the 216 MiB one
+
+Each model is a qwen2 saved by transformers (bench/load.py's shapes, head tied to the embedding). Every row
+is a real ``torchrun -m dist_trainer`` run of a few optimizer steps (micro batch 1 x 32 tokens, SGD without
+momentum unless the row says AdamW) that ends with ``final_model.pt`` and ``hf_model/``. Per run: each rank's
+peak resident memory over the whole run (``host_memory.json``'s ``run_host_peak_mb``: the kernel's peak, from
+the first import to the export), plan mode's prediction of it (``plan.json``), and the median step time.
+
+The model-dependent part of a rank's memory is the difference between the two sizes' peaks, divided by the
+difference in their FP32 sizes: about 1x where a rank holds the whole model once (ddp with SGD: weights and
+gradients make 2x), about 0.5x where it holds half (fsdp on 2 ranks, weights and gradients sharded) plus what
+a unit's gathers add. Each row runs with malloc as dist_trainer sets it (``tuned``: blocks from 1 MiB up in their
+own mappings) and as it set it before (``heap 1 GiB``: every block kept in the heap), side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine_description  # noqa: E402
+
+SHAPES = {  # MiB of FP32 weights -> the qwen2 configuration (tied head); 216 and 1024 as in bench/load.py
+    43: {"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 3, "num_attention_heads": 6,
+         "num_key_value_heads": 2, "vocab_size": 16384},
+    216: {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 7, "num_attention_heads": 12,
+          "num_key_value_heads": 4, "vocab_size": 16384},
+    1024: {"hidden_size": 1536, "intermediate_size": 4096, "num_hidden_layers": 9, "num_attention_heads": 12,
+           "num_key_value_heads": 4, "vocab_size": 32768},
+}
+MODES = {
+    "ddp": [],
+    "fsdp": ["dist.strategy=fsdp"],
+    "fsdp, AdamW": ["dist.strategy=fsdp", "optim=adamw"],
+    "tp 2": ["dist.tp.size=2"],
+}
+GIB = str(1 << 30)
+MALLOC = {"tuned": {}, "heap 1 GiB": {"MALLOC_MMAP_THRESHOLD_": GIB, "MALLOC_TRIM_THRESHOLD_": GIB}}
+
+
+def save_model(root: Path, mib: int) -> Path:
+    import torch
+    import transformers
+
+    out = root / f"qwen2-{mib}"
+    if not out.exists():
+        config = transformers.AutoConfig.for_model("qwen2", **SHAPES[mib], tie_word_embeddings=True,
+                                                   max_position_embeddings=128)
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(
+            out, max_shard_size="500MB")
+    return out
+
+
+def model_mb(path: Path) -> float:
+    return sum(f.stat().st_size for f in path.glob("*.safetensors")) / 2**20
+
+
+def one_run(root: Path, model: Path, mode: list, malloc: dict, steps: int, tag: str) -> dict:
+    run_dir = root / "runs" / tag
+    text = root / "text.txt"
+    if not text.exists():
+        text.write_text("The quick brown fox jumps over the lazy dog.\n\n" * 200)
+    optim = [] if any(a.startswith("optim=") for a in mode) else ["optim=sgd", "optim.momentum=0"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "dist_trainer",
+           "model=hf_causal_lm", f"model.pretrained={model}", "data=hf_text", f"data.files=[{text}]",
+           "data.block_size=32", f"data.cache_dir={root / 'cache'}", "batch.micro_batch_size=1",
+           "batch.global_batch_size=2", f"trainer.max_steps={steps}", "trainer.ckpt_every=0", "trainer.device=cpu",
+           "trainer.log_every=1", "trainer.eval_every=0", f"hydra.run.dir={run_dir}", *optim, *mode]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env.update(OMP_NUM_THREADS="1", **malloc)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{tag} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    measured = json.loads((run_dir / "host_memory.json").read_text())
+    plan = json.loads((run_dir / "plan.json").read_text())
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {"peaks": measured["run_host_peak_mb"], "plan": plan.get("run_host_peak_mb"),
+            "step_s": statistics.median(r["step_time_s"] for r in records[1:]) if len(records) > 1 else None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=int, nargs=2, default=[43, 216], choices=sorted(SHAPES))
+    parser.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--malloc", nargs="*", default=list(MALLOC), choices=list(MALLOC))
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--root", type=Path, default=None, help="keep the saved models here (default: a temp dir)")
+    args = parser.parse_args()
+    print(machine_description(), flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench-run-memory-") as tmp:
+        root = args.root or Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        small, large = (save_model(root, s) for s in args.sizes)
+        sizes = {p: model_mb(p) for p in (small, large)}
+        rows = []
+        for mode in args.modes:
+            for malloc in args.malloc:
+                got = {p: one_run(root, p, MODES[mode], MALLOC[malloc], args.steps,
+                                  f"{mode}-{malloc}-{p.name}".replace(" ", "_").replace(",", ""))
+                       for p in (small, large)}
+                ratio = max(b - a for a, b in zip(got[small]["peaks"], got[large]["peaks"])) / (sizes[large] - sizes[small])
+                rows.append((mode, malloc, got[small], got[large], ratio))
+                print(f"{mode:12s} {malloc:10s} {sizes[small]:.0f} MiB model: peaks {got[small]['peaks']} | "
+                      f"{sizes[large]:.0f} MiB: peaks {got[large]['peaks']} (plan {got[large]['plan']}) | "
+                      f"added / model {ratio:.2f} | step {got[large]['step_s']:.2f} s", flush=True)
+        print(f"\n| mesh | malloc | peak per rank, {sizes[small]:.0f} MiB model (MiB) | peak per rank, "
+              f"{sizes[large]:.0f} MiB model (MiB) | plan mode, {sizes[large]:.0f} MiB (MiB) | "
+              f"added / model size | median step, {sizes[large]:.0f} MiB (s) |")
+        print("|---|---|---:|---:|---:|---:|---:|")
+        for mode, malloc, s, b, ratio in rows:
+            plan = f"{b['plan']:.0f}" if b["plan"] is not None else "-"
+            print(f"| {mode} | {malloc} | {' / '.join(f'{v:.0f}' for v in s['peaks'])} | "
+                  f"{' / '.join(f'{v:.0f}' for v in b['peaks'])} | {plan} | {ratio:.2f} | {b['step_s']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
