@@ -3,10 +3,9 @@
     python bench/hostmem.py                    # 3 rounds, 10 warm-up + 40 timed steps per run, ~2 min
 
 The benchmark job of bench/overhead.py through ``torchrun -m dist_trainer``,
-alternated in fresh launches: ``trainer.tune_malloc=true`` (the default: glibc's mmap threshold fixed at
-1 MiB), the same with every block up to 1 GiB kept in the heap (``MALLOC_MMAP_THRESHOLD_`` and
-``MALLOC_TRIM_THRESHOLD_`` at 1 GiB: what the tuning did before the fsdp steps' heap was found to fragment),
-and ``=false`` (glibc's own, moving threshold). Per run: the median ``step_time_s``, the peak resident set of
+alternated in fresh launches: ``trainer.tune_malloc=reuse`` (every block kept in the heap; what ``true``
+chooses for this ddp job), ``=bounded`` (blocks from 1 MiB up returned when freed; what ``true`` chooses
+where the model is cut across ranks) and ``=false`` (glibc's own, moving threshold). Per run: the median ``step_time_s``, the peak resident set of
 rank 0 (``peak_mem_mb`` of its last step), and the minor page faults of the
 whole launch (agent and both ranks, from this process's RUSAGE_CHILDREN). The
 start-up work is the same in both, so the difference in faults divided by the
@@ -26,12 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import allocator_env, machine_description  # noqa: E402
 from overhead import run_dist_trainer  # noqa: E402
 
-GIB = str(1 << 30)
 VARIANTS = {  # name: (override, environment)
-    "tuned": ("trainer.tune_malloc=true", {}),
-    "heap 1 GiB": ("trainer.tune_malloc=true", {"MALLOC_MMAP_THRESHOLD_": GIB, "MALLOC_TRIM_THRESHOLD_": GIB}),
-    "mmap 1 MiB": ("trainer.tune_malloc=true", {"MALLOC_MMAP_THRESHOLD_": str(1 << 20),
-                                                "MALLOC_TRIM_THRESHOLD_": str(64 << 20)}),
+    "reuse": ("trainer.tune_malloc=reuse", {}),
+    "bounded": ("trainer.tune_malloc=bounded", {}),
     "system": ("trainer.tune_malloc=false", {}),
 }
 
@@ -72,7 +68,7 @@ def main() -> None:
         print(f"| {name} | {statistics.median(meds) * 1000:.1f} | {ratio:.3f} | "
               f"{statistics.median(r['peak_mem_mb'] for r in runs[name]):.1f} | "
               f"{statistics.median(r['faults'] for r in runs[name]):,.0f} |")
-    for name in ("tuned", "heap 1 GiB", "mmap 1 MiB"):
+    for name in ("reuse", "bounded"):
         saved = (statistics.median(r["faults"] for r in runs["system"])
                  - statistics.median(r["faults"] for r in runs[name])) / total_steps
         print(f"faults saved per optimizer step against the system's (both ranks), {name}: {saved:,.0f}")

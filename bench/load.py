@@ -46,13 +46,13 @@ MODES = {
 }
 
 
-def save_model(root: Path, mib: int) -> Path:
+def save_model(root: Path, mib: int, shapes: dict = SHAPES) -> Path:
     import torch
     import transformers
 
     out = root / f"qwen2-{mib}"
     if not out.exists():
-        config = transformers.AutoConfig.for_model("qwen2", **SHAPES[mib], tie_word_embeddings=True,
+        config = transformers.AutoConfig.for_model("qwen2", **shapes[mib], tie_word_embeddings=True,
                                                    max_position_embeddings=128)
         torch.manual_seed(0)
         transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(

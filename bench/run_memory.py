@@ -1,6 +1,6 @@
 """Each rank's host memory over a whole run, and what a larger model adds to it, under every mesh on 2 ranks.
 
-    python bench/run_memory.py                      # a 216 MiB and a 5x smaller qwen2, about 8 minutes on 2 cores
+    python bench/run_memory.py                      # a 216 MiB and a 5x smaller qwen2, about 10 minutes on 2 cores
     python bench/run_memory.py --sizes 216 1024     # and a 1 GiB one against the 216 MiB one
 
 Each model is a qwen2 saved by transformers (bench/load.py's shapes, head tied to the embedding). Every row
@@ -12,8 +12,9 @@ the first import to the export), plan mode's prediction of it (``plan.json``), a
 The model-dependent part of a rank's memory is the difference between the two sizes' peaks, divided by the
 difference in their FP32 sizes: about 1x where a rank holds the whole model once (ddp with SGD: weights and
 gradients make 2x), about 0.5x where it holds half (fsdp on 2 ranks, weights and gradients sharded) plus what
-a unit's gathers add. Each row runs with malloc as dist_trainer sets it (``tuned``: blocks from 1 MiB up in their
-own mappings) and as it set it before (``heap 1 GiB``: every block kept in the heap), side by side.
+a unit's gathers add. Each row runs with both of ``trainer.tune_malloc``'s modes, side by side: ``bounded`` (blocks
+from 1 MiB up in their own mappings, returned when freed; the default where the model is cut across ranks) and
+``reuse`` (every block kept in the heap; the default under ddp, and what every mesh had before).
 """
 
 from __future__ import annotations
@@ -29,14 +30,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine_description  # noqa: E402
+from load import SHAPES as LOAD_SHAPES, save_model  # noqa: E402
 
-SHAPES = {  # MiB of FP32 weights -> the qwen2 configuration (tied head); 216 and 1024 as in bench/load.py
+SHAPES = {  # MiB of FP32 weights -> the qwen2 configuration (tied head): bench/load.py's, and one 5x smaller
     43: {"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 3, "num_attention_heads": 6,
          "num_key_value_heads": 2, "vocab_size": 16384},
-    216: {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 7, "num_attention_heads": 12,
-          "num_key_value_heads": 4, "vocab_size": 16384},
-    1024: {"hidden_size": 1536, "intermediate_size": 4096, "num_hidden_layers": 9, "num_attention_heads": 12,
-           "num_key_value_heads": 4, "vocab_size": 32768},
+    **LOAD_SHAPES,
 }
 MODES = {
     "ddp": [],
@@ -45,21 +44,10 @@ MODES = {
     "tp 2": ["dist.tp.size=2"],
 }
 GIB = str(1 << 30)
-MALLOC = {"tuned": {}, "heap 1 GiB": {"MALLOC_MMAP_THRESHOLD_": GIB, "MALLOC_TRIM_THRESHOLD_": GIB}}
-
-
-def save_model(root: Path, mib: int) -> Path:
-    import torch
-    import transformers
-
-    out = root / f"qwen2-{mib}"
-    if not out.exists():
-        config = transformers.AutoConfig.for_model("qwen2", **SHAPES[mib], tie_word_embeddings=True,
-                                                   max_position_embeddings=128)
-        torch.manual_seed(0)
-        transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(
-            out, max_shard_size="500MB")
-    return out
+MALLOC = {  # trainer.tune_malloc's two modes, forced by glibc's variables whatever the mesh (dist_trainer/hostmem.py)
+    "bounded": {"MALLOC_MMAP_THRESHOLD_": str(1 << 20), "MALLOC_TRIM_THRESHOLD_": str(64 << 20)},
+    "reuse": {"MALLOC_MMAP_THRESHOLD_": GIB, "MALLOC_TRIM_THRESHOLD_": GIB},
+}
 
 
 def model_mb(path: Path) -> float:
@@ -101,7 +89,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-run-memory-") as tmp:
         root = args.root or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
-        small, large = (save_model(root, s) for s in args.sizes)
+        small, large = (save_model(root, s, SHAPES) for s in args.sizes)
         sizes = {p: model_mb(p) for p in (small, large)}
         rows = []
         for mode in args.modes:

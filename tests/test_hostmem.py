@@ -109,3 +109,23 @@ def test_a_users_own_allocator_setting_is_left_alone(variable):
         assert result["mid"] < 5_000, result
         # ... and its heap keeps the holes as a heap that keeps every block does (560-590 MiB measured).
         assert result["fragments_mb"] > 200, result
+
+
+def test_tune_malloc_true_bounds_the_meshes_that_cut_the_model_and_a_bad_value_names_the_key():
+    import dataclasses
+
+    from dist_trainer import hostmem
+    from dist_trainer.config import ConfigError, MeshShape, validate
+    from test_accumulation import gpt_config
+
+    assert not hostmem.model_is_cut(MeshShape("ddp", replicate=2, shard=1))  # every rank holds it whole
+    for mesh in (MeshShape("fsdp", 1, 2), MeshShape("fsdp", 2, 2), MeshShape("ddp", 1, 1, tp=2),
+                 MeshShape("ddp", 1, 1, pp=2)):
+        assert hostmem.model_is_cut(mesh), mesh
+    for mode in (True, False, "reuse", "bounded"):
+        cfg = gpt_config(4)
+        cfg.trainer = dataclasses.replace(cfg.trainer, tune_malloc=mode)
+        validate(cfg, 2, 2)
+    cfg.trainer = dataclasses.replace(cfg.trainer, tune_malloc="fast")
+    with pytest.raises(ConfigError, match=r"trainer\.tune_malloc.*choose true, false, reuse or bounded"):
+        validate(cfg, 2, 2)
