@@ -18,7 +18,7 @@ order of earlier allocations. ``trainer.tune_malloc`` fixes the thresholds, one 
   transparent huge pages: ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` plus the thresholds as MALLOC_*
   variables). Measured in docs/benchmarks.md (bench/hostmem.py, bench/run_memory.py).
 
-``true`` (the default) is bounded where the model is cut across ranks (fsdp, hsdp, tp, pp: what sharding is
+``true`` (the default) is bounded where the model is cut across ranks (fsdp, hsdp, tp, pp, ep: what sharding is
 for is memory) and reuse otherwise (ddp: its steps' blocks reuse well, 1.1 GiB either way in that run).
 Users who already chose (``MALLOC_*`` variables, ``GLIBC_TUNABLES``, or another
 allocator preloaded such as jemalloc or tcmalloc) are left alone, and so are
@@ -47,8 +47,8 @@ def user_choice() -> str | None:
 
 
 def model_is_cut(mesh) -> bool:
-    """Whether a rank holds a part of the model, not all of it (fsdp, hsdp, tp, pp): ``true`` is bounded there."""
-    return mesh.strategy != "ddp" or mesh.tp > 1 or mesh.pp > 1
+    """Whether a rank holds a part of the model, not all of it (fsdp, hsdp, tp, pp, ep): ``true`` is bounded there."""
+    return mesh.cuts_model or mesh.ep > 1  # ep: the experts, most of an MoE model, are cut
 
 
 def describe(mode: str) -> str:

@@ -118,9 +118,10 @@ def test_tune_malloc_true_bounds_the_meshes_that_cut_the_model_and_a_bad_value_n
     from dist_trainer.config import ConfigError, MeshShape, validate
     from test_accumulation import gpt_config
 
-    assert not hostmem.model_is_cut(MeshShape("ddp", replicate=2, shard=1))  # every rank holds it whole
+    for mesh in (MeshShape("ddp", replicate=2, shard=1), MeshShape("ddp", 2, 1, cp=2)):  # every rank holds it whole
+        assert not hostmem.model_is_cut(mesh), mesh
     for mesh in (MeshShape("fsdp", 1, 2), MeshShape("fsdp", 2, 2), MeshShape("ddp", 1, 1, tp=2),
-                 MeshShape("ddp", 1, 1, pp=2)):
+                 MeshShape("ddp", 1, 1, pp=2), MeshShape("ddp", 2, 1, ep=2)):
         assert hostmem.model_is_cut(mesh), mesh
     for mode in (True, False, "reuse", "bounded"):
         cfg = gpt_config(4)
