@@ -865,11 +865,16 @@ def _pp_numbers(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
         dims["all_to_alls"] = "ep"
         if mesh.expert_data_ranks > 1:
             dims["allreduces"] = dims.get("allreduces", "replicate") + "; the experts': edp"
+    cp = {}
+    if mesh.cp > 1:  # as without stages: every stage's attention exchanges over its cp group
+        dims.update({"cp_sends": "cp", "cp_all_to_alls": "cp"})
+        cp["cp_attention_work"] = attention_work(_sequence_length(cfg, plan, model), mesh.cp, cfg.dist.cp.layout)
     pp = cfg.dist.pp
     return {
         "world_size": plan.world_size,
         "mesh": {"kind": mesh.kind, "replicate": mesh.replicate, "shard": mesh.shard, "tp": mesh.tp, "pp": mesh.pp,
-                 **({"ep": mesh.ep} if mesh.ep > 1 else {})},
+                 **({"ep": mesh.ep} if mesh.ep > 1 else {}), **({"cp": mesh.cp} if mesh.cp > 1 else {})},
+        **cp,
         # the bounds of the whole model's MoE layers: a stage group's all-to-alls are of its own layers
         **({"ep_all_to_all_bytes_max": ep_all_to_all_bytes_max(cfg, plan, model),
             "ep_all_to_all_bytes_balanced": ep_all_to_all_bytes_balanced(cfg, plan, model)} if mesh.ep > 1 else {}),

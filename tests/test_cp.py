@@ -457,3 +457,20 @@ def test_checkpoint_resumes_across_cp_degrees_and_dp2_x_cp2_equals_cp2(tmp_path)
         assert resumed_from(result.output) == str(ckpt(run_dir, 2)), result.output[-4000:]
         assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]
         _assert_close(final_params(run_dir), ref, f"resumed {name}: final parameters")
+
+
+def test_plan_mode_under_pipeline_stages_gives_context_parallelisms_numbers_too():
+    # pp 2 x cp 2 under fsdp (8 ranks): the same cp keys, counts and line as cp 2 without stages (world 4).
+    from dist_trainer.plan import plan_report
+
+    def numbers(pp: int):
+        cfg = cp_config(2, 2, strategy="fsdp", pp=pp)  # 2 micro-batches of 2 a data rank: one per stage
+        return cfg, plan_numbers(cfg, validate(cfg, 4 * pp))
+
+    (_, flat), (cfg, staged) = numbers(1), numbers(2)
+    assert staged["mesh"]["cp"] == 2 and staged["mesh"]["pp"] == 2
+    for key in ("cp_sends", "cp_all_to_alls"):
+        assert staged["comm_dims"][key] == flat["comm_dims"][key] == "cp"
+    assert staged["cp_attention_work"] == flat["cp_attention_work"]
+    assert staged["step"]["cp_sends"] > 0
+    assert "context parallelism per optimizer step (over each cp group of 2 ranks)" in plan_report(cfg, 8)
