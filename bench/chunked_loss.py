@@ -81,7 +81,7 @@ def worker(precision: str, chunk: int, vocab: int, tokens: int, width: int, repe
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     times = []
     if repeats:
-        keep_freed_memory()
+        keep_freed_memory("reuse")
         forward_backward(slice(None))  # the heap grows to what a pass needs, once
     for _ in range(repeats):
         start = time.perf_counter()

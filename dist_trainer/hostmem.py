@@ -59,7 +59,7 @@ def describe(mode: str) -> str:
                        "false keeps the system's settings)"}[mode]
 
 
-def keep_freed_memory(mode: str = "reuse") -> bool:
+def keep_freed_memory(mode: str) -> bool:
     """Fix glibc's mmap and trim thresholds for this process as ``mode`` says (THRESHOLDS); True if set."""
     if user_choice() is not None or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
