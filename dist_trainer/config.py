@@ -167,7 +167,7 @@ class FSDPConfig:
     # Ranks in one shard group: null (all), "node" (the local world size: shard within a node,
     # replicate across nodes, i.e. hsdp) or a divisor of the world size.
     shard_size: Any = None
-    prefetch: int = 1  # units gathered ahead in forward and backward; 0: FSDP2's own defaults
+    prefetch: int = 1  # units gathered ahead in forward and backward; 0: none (each unit gathered when it runs)
     reshard_after_forward: Optional[bool] = None  # deprecated: true is reshard=micro_batch, false reshard=forward
 
 
@@ -706,7 +706,7 @@ def _validate_values(cfg: Config) -> None:
         f.reshard, f.reshard_after_forward = implied, None
     _check(f.reshard in ("auto", *RESHARDS), "dist.fsdp.reshard", f.reshard, f"choose one of {('auto', *RESHARDS)}")
     _check(isinstance(f.prefetch, int) and not isinstance(f.prefetch, bool) and f.prefetch >= 0,
-           "dist.fsdp.prefetch", f.prefetch, "must be an integer >= 0 (units gathered ahead; 0: FSDP2's defaults)")
+           "dist.fsdp.prefetch", f.prefetch, "must be an integer >= 0 (units gathered ahead; 0: none)")
     _check(f.shard_size is None or f.shard_size == "node" or
            (isinstance(f.shard_size, int) and not isinstance(f.shard_size, bool) and f.shard_size >= 1),
            "dist.fsdp.shard_size", f.shard_size, "must be null (all ranks), node, or a number of ranks >= 1")

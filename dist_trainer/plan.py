@@ -571,8 +571,7 @@ def expected_peak_extra_bytes(cfg: Config, plan: BatchPlan, model: nn.Module, pr
     ddp: none (nothing is gathered; the whole gradient is part of state_mb).
     fsdp/hsdp, with G a unit's gathered size in the compute dtype and R its
     unsharded FP32 gradient: gathered at once, ``micro_batch`` holds the root
-    and 1 + prefetch blocks (a unit being used and the next one prefetched;
-    FSDP2 prefetches one in backward even with prefetch 0), ``forward`` and
+    and 1 + prefetch blocks (a unit being used and those gathered ahead), ``forward`` and
     ``step`` every unit. Gradients: with ``accum_sync=last`` and K > 1 every
     unit's R is kept between micro-batches while the next forward gathers;
     otherwise one unit's gradient is reduced as it is made, and takes the place
@@ -595,7 +594,7 @@ def expected_peak_extra_bytes(cfg: Config, plan: BatchPlan, model: nn.Module, pr
     grads += [r for _, r in experts]
     reshard, accum = cfg.dist.fsdp.reshard, plan.accum_steps
     if reshard == "micro_batch":
-        held = root + sum(sorted(blocks, reverse=True)[:1 + max(cfg.dist.fsdp.prefetch, 1)])
+        held = root + sum(sorted(blocks, reverse=True)[:1 + cfg.dist.fsdp.prefetch])
     else:
         held = sum(gathered)
     if cfg.dist.fsdp.accum_sync == "last" and accum > 1:

@@ -396,7 +396,8 @@ def test_reshard_after_forward_still_works_with_a_warning(caplog, old, new):
 
 # ----------------------------------------------------------------------------- memory
 
-PEAK_JOBS = [f"split/{reshard}/{sync}" for reshard in RESHARDS for sync in SYNCS] + ["peak/micro_batch", "peak/step"]
+PEAK_JOBS = ([f"split/{reshard}/{sync}" for reshard in RESHARDS for sync in SYNCS] + ["peak/micro_batch", "peak/step"]
+             + ["prefetch/0", "prefetch/1"])  # 3 blocks: 0 gathers none ahead (FSDP2 itself would gather one)
 
 
 @pytest.mark.parametrize("name", PEAK_JOBS)

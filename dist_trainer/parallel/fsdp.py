@@ -146,7 +146,15 @@ class _CountingReduceScatter(DefaultReduceScatter):
         self.counter.last_reduce_scatter = time.perf_counter()
         self.counter.counts["reduce_scatter_bytes"] += input_tensor.numel() * input_tensor.element_size()
         self.counter.meter.sample(input_tensor)
-        return super().__call__(output_tensor, input_tensor, group, op, async_op)
+        work = super().__call__(output_tensor, input_tensor, group, op, async_op)
+        if not async_op and input_tensor.device.type == "cpu":
+            # The input is a copy of the unit's whole gradient. FSDP keeps it until the next unit's
+            # reduce-scatter (reduce_scatter_states: so that a GPU's caching allocator cannot hand its block to
+            # another stream while the collective may still read it). On CPU the collective has finished when
+            # the call returns, so the copy goes now, not after the next unit's backward: under fsdp on 2
+            # ranks that was a tenth of an 8-layer model held at the backward's peak.
+            input_tensor.untyped_storage().resize_(0)
+        return work
 
 
 class ShardedWeights:
@@ -222,13 +230,18 @@ def device_mesh(mesh: MeshShape, device_type: str) -> Tuple[DeviceMesh, Optional
     return data, root["tp"]
 
 
-def set_prefetch(blocks: List[nn.Module], ahead: int) -> None:
+def set_prefetch(blocks: List[nn.Module], units: List[nn.Module], ahead: int) -> None:
     """Each block gathers the next ``ahead`` blocks in forward and the previous ``ahead`` in backward.
 
-    0 sets nothing: FSDP2's defaults (no forward prefetch; in backward it
-    prefetches one unit on its own, and offers no public switch to stop that).
+    0: no unit gathers another ahead, in either direction: each is gathered when it runs (on CPU, where gloo's
+    collectives block the rank, gathering ahead overlaps nothing and only holds one more unit). FSDP2 has no
+    public switch for its own backward prefetch (one unit ahead wherever a unit's explicit list is empty), so
+    each unit's list names the unit itself, gathered already when its backward starts: a list that prefetches
+    nothing.
     """
-    if ahead <= 0:
+    if not ahead:
+        for unit in units:
+            unit.set_modules_to_backward_prefetch([unit])
         return
     for i, block in enumerate(blocks):
         block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + ahead])
@@ -265,7 +278,7 @@ class FSDPStrategy:
         if materialise is not None:  # each rank allocates and initialises its own shards, and nothing more
             materialise(model)
         self.units: List[FSDPModule] = [m for m in model.modules() if isinstance(m, FSDPModule)]
-        set_prefetch(blocks, cfg.fsdp.prefetch)
+        set_prefetch(blocks, self.units, cfg.fsdp.prefetch)
         self.meter, self.counter = count_units(self.units, mesh.replicate, one_dim=expert_units)
         if cfg.find_unused_parameters:
             # A parameter some rank did not use still takes part (with zeros) in the reduce-scatter.
