@@ -59,6 +59,14 @@ def describe(mode: str) -> str:
                        "false keeps the system's settings)"}[mode]
 
 
+def mode_for(setting: bool | str, mesh) -> str | None:
+    """``trainer.tune_malloc`` made a mode: bounded or reuse (``true``: bounded where the model is cut); None
+    where the process keeps the system's settings (``false``, or a choice the user made in the environment)."""
+    if not setting or user_choice() is not None:
+        return None
+    return setting if isinstance(setting, str) else "bounded" if model_is_cut(mesh) else "reuse"
+
+
 def keep_freed_memory(mode: str) -> bool:
     """Fix glibc's mmap and trim thresholds for this process as ``mode`` says (THRESHOLDS); True if set."""
     if user_choice() is not None or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
@@ -110,6 +118,35 @@ def _status_bytes(field: str) -> int | None:
     return None
 
 
+def resident_mb() -> float | None:
+    """The resident memory this process holds now (MiB), or None where the kernel does not say."""
+    rss = _status_bytes("VmRSS")
+    return None if rss is None else rss / 2**20
+
+
+# What a CPU training step's libraries add to a process beyond the model's tensors, its data and what it held
+# before the model was built: the model library's import, libtorch's kernels paged in by the first step,
+# autograd's and gloo's threads and buffers, the heap's kept top. Measured with torch 2.13 and transformers on
+# 2 ranks: 121-144 MiB on the rank that holds the most, for qwen2 models of 26 and 216 MiB under ddp, fsdp and
+# tp 2 (bench/run_memory.py); it does not grow with the model.
+STEP_RUNTIME_MB = 140.0
+
+
+def expected_run_peak_mb(baseline_mb: float, mode: str | None, built_whole: bool, load_mb: float,
+                         step_peak_mb: float, activation_mb: float, state_mb: float, export_mb: float) -> float:
+    """A rank's peak resident memory over a CPU run (``run_host_peak_mb``), from plan mode's numbers.
+
+    ``baseline_mb``: what the process held with its data ready, before the model was built. On top of it the
+    step's runtime (STEP_RUNTIME_MB) and the largest of the run's phases: the load, a step at its peak (state,
+    gathered units and unsharded gradients, one micro-batch's activations), the export beside the state. Where
+    freed blocks stay in the heap (``reuse``) and the model was built whole (ddp), the load's second copy (the
+    pages transformers' loader maps, or DDP's bucket copy; half of ``load_mb``) is not given back, and the step
+    comes on top of it.
+    """
+    kept = load_mb / 2 if mode == "reuse" and built_whole else 0.0
+    return baseline_mb + STEP_RUNTIME_MB + max(load_mb, kept + step_peak_mb + activation_mb, state_mb + export_mb)
+
+
 _EARLIER_PEAK = 0  # bytes: the most resident memory reached before a PhasePeak reset the kernel's peak
 
 
@@ -131,6 +168,11 @@ class PhasePeak:
     def __init__(self) -> None:
         self.mb: float | None = None
         self._before: int | None = None
+
+    @property
+    def before_mb(self) -> float | None:
+        """The resident memory when the phase began (MiB)."""
+        return None if self._before is None else self._before / 2**20
 
     def __enter__(self) -> "PhasePeak":
         global _EARLIER_PEAK

@@ -20,9 +20,11 @@ import torch
 from hydra.utils import instantiate
 from torch import nn
 
+from . import hostmem
 from .config import BatchPlan, Config, ConfigError, MeshShape, master_mode, pp_v_shape, validate
 from .data import StepPlan, build_dataset
 from .fp8 import RECIPES, gathered_in_float8
+from .models.hf import TARGETS as HF_TARGETS
 from .moe import routing_of
 from .moe.ep import BACKWARD_ALL_TO_ALLS, FORWARD_ALL_TO_ALLS, expert_params, moe_layers
 from .parallel.blocks import find_blocks
@@ -706,8 +708,10 @@ def persistent_buffer_bytes(model: nn.Module) -> int:
 
 def meta_model(cfg: Config, precision: Precision) -> nn.Module:
     """The model as the strategy would hold it, on the meta device: shapes and dtypes, no memory."""
+    # a pretrained Hugging Face model from its configuration alone: its files are read by a run, not by a plan
+    unread = {"load_weights": False} if cfg.model.get("pretrained") and cfg.model.get("_target_") in HF_TARGETS else {}
     with torch.device("meta"):
-        model = instantiate(cfg.model, _convert_="all")
+        model = instantiate(cfg.model, _convert_="all", **unread)
         if not sharded_by_fsdp(cfg):  # fsdp keeps FP32 shards and casts when it gathers
             precision.prepare(model)
     return model
@@ -771,12 +775,40 @@ def pretrained_itemsize(directory: Path) -> int:
                 if DTYPES[entry["dtype"]].is_floating_point), default=4)
 
 
-def plan_numbers(cfg: Config, plan: BatchPlan, model: Optional[nn.Module] = None) -> Dict[str, Any]:
+def plan_numbers(cfg: Config, plan: BatchPlan, model: Optional[nn.Module] = None,
+                 host_baseline_mb: Optional[float] = None) -> Dict[str, Any]:
     """What plan.json holds: the mesh, the split, and each metrics.jsonl key a full step will show.
 
     ``model``: the strategy's module of a run (only shapes, dtypes and blocks are read; a
     sharded parameter's shape is its whole shape); None builds one on the meta device.
+    ``host_baseline_mb``: what the process held with its data ready, before the model was built, where the
+    run is on CPU (None elsewhere): with it, ``run_host_peak_mb``.
     """
+    numbers = _mesh_numbers(cfg, plan, model)
+    numbers["host_baseline_mb"] = host_baseline_mb
+    numbers["run_host_peak_mb"] = run_host_peak_mb(cfg, plan, numbers, host_baseline_mb)
+    return numbers
+
+
+def run_host_peak_mb(cfg: Config, plan: BatchPlan, numbers: Dict[str, Any],
+                     baseline_mb: Optional[float]) -> Optional[float]:
+    """A CPU rank's peak resident memory over the whole run (hostmem.expected_run_peak_mb), or None where the
+    run is not on CPU or the split waits for the finder."""
+    if baseline_mb is None or numbers["step_peak_state_mb"] is None:
+        return None
+    mode = hostmem.mode_for(cfg.trainer.tune_malloc, plan.mesh)
+    whole = not plan.mesh.cuts_model or not cfg.dist.meta_init
+    return hostmem.expected_run_peak_mb(baseline_mb, mode, whole, numbers["load_host_peak_mb"],
+                                        numbers["step_peak_state_mb"], numbers["activation_mb"] or 0.0,
+                                        numbers["state_mb"], numbers["export_host_peak_mb"])
+
+
+def runs_on_cpu(cfg: Config) -> bool:
+    """Whether the run this config describes trains on CPU (trainer.device, or auto on a machine without CUDA)."""
+    return cfg.trainer.device == "cpu" or (cfg.trainer.device == "auto" and not torch.cuda.is_available())
+
+
+def _mesh_numbers(cfg: Config, plan: BatchPlan, model: Optional[nn.Module]) -> Dict[str, Any]:
     precision = Precision(cfg.precision, torch.device("cpu"))
     if plan.mesh.pp > 1:  # a pipeline rank's module holds its stages only: plan from the whole one
         return _pp_numbers(cfg, plan, meta_model(cfg, precision), precision)
@@ -1061,7 +1093,8 @@ def plan_report(cfg: Config, world_size: int, local_world_size: Optional[int] = 
     plan = validate(cfg, world_size, local_world_size)
     dataset = build_dataset(cfg.data)
     step_plan = StepPlan.for_config(len(dataset), cfg, plan, rank=0)
-    numbers = plan_numbers(cfg, plan)
+    # the data ready and no model yet: a run's rank 0 holds the same when it builds its model
+    numbers = plan_numbers(cfg, plan, host_baseline_mb=hostmem.resident_mb() if runs_on_cpu(cfg) else None)
     if json_path is not None:
         write_plan_json(numbers, json_path)
     epochs = plan.max_steps / step_plan.steps_per_epoch
@@ -1098,6 +1131,10 @@ def plan_report(cfg: Config, world_size: int, local_world_size: Optional[int] = 
            f"{numbers['step_peak_state_mb']:.2f} MiB (step_peak_state_mb)"] if numbers["step_peak_state_mb"] else []),
         *([f"  activations a micro-batch's forward keeps for backward on a rank: {numbers['activation_mb']:.2f} MiB "
            f"(activation_mb; {_activation_shape(cfg, plan)})"] if numbers["activation_mb"] is not None else []),
+        *([f"  host memory per rank over the whole run, at its peak: {numbers['run_host_peak_mb']:.0f} MiB "
+           f"(run_host_peak_mb: this process's {numbers['host_baseline_mb']:.0f} MiB with the data loaded, the step's "
+           f"runtime, and the largest of the load ({numbers['load_host_peak_mb']:.0f}), a step at its peak and the "
+           f"export)"] if numbers.get("run_host_peak_mb") is not None else []),
         f"  a checkpoint's copy in host memory per rank under trainer.ckpt_async=true: "
         f"{numbers['ckpt_staging_mb']:.2f} MiB (ckpt_staging_mb; the model in FP32 and the optimizer state)",
         f"  dataset {len(dataset):,} samples: {step_plan.steps_per_epoch} optimizer steps per epoch "

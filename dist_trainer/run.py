@@ -119,8 +119,7 @@ def train(cfg: Config, run_dir: Path) -> Dict[str, Any]:
     env = distributed.init(cfg.trainer.device, cfg.dist.init_timeout_s)
     watch = watchdog.start(cfg.dist.step_timeout_s, cfg.dist.init_timeout_s, env.rank, env.world_size)
     if cfg.trainer.tune_malloc and env.device.type == "cpu":
-        mode = cfg.trainer.tune_malloc if isinstance(cfg.trainer.tune_malloc, str) else (
-            "bounded" if hostmem.model_is_cut(plan.mesh) else "reuse")
+        mode = hostmem.mode_for(cfg.trainer.tune_malloc, plan.mesh) or "reuse"
         tuned = hostmem.keep_freed_memory(mode)  # before the model and data are allocated
         if env.is_main:
             log.info("host malloc: %s", hostmem.describe(mode) if tuned else
@@ -164,6 +163,7 @@ class Parts:
     model_seed: int = 0  # the seed the model was built with: an export rebuilds the same frozen weights
     built_on_meta: bool = False  # each rank materialised its own shards only (models.construct)
     load_host_peak_mb: Optional[float] = None  # what building or loading the model added to this rank's memory
+    host_baseline_mb: Optional[float] = None  # what this rank held with its data ready, before the model
 
 
 def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
@@ -211,7 +211,7 @@ def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     return Parts(trainer, step_plan, train_set, eval_set, dict(cfg.model), frozen, cfg.trainer.seed,
-                 materialise is not None, load_mb)
+                 materialise is not None, load_mb, built.before_mb)
 
 
 def choose_micro_batch(cfg: Config, parts: Parts, env: DistEnv) -> BatchPlan:
@@ -255,7 +255,7 @@ def _train(cfg: Config, plan: BatchPlan, env: DistEnv, run_dir: Path, watch: Wat
         log.info(startup_report(plan, env, cfg, model, parts.step_plan, run_dir))
         # What every full step's collectives and state will be, for a tool to compare with metrics.jsonl.
         # From the built model: the meta device's first initialisation costs seconds (torch's refs).
-        numbers = plan_numbers(cfg, plan, model)
+        numbers = plan_numbers(cfg, plan, model, parts.host_baseline_mb if env.device.type == "cpu" else None)
         write_plan_json(numbers, run_dir / "plan.json")
     report_host_memory("load", parts.load_host_peak_mb, numbers.get("load_host_peak_mb"), run_dir, env)
     if cfg.trainer.ckpt_async:  # before training: a copy that cannot fit must not start

@@ -95,14 +95,25 @@ def test_through_the_steps_fsdp_adds_about_a_shard_of_the_model_and_less_than_dd
     transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model("qwen2", **QWEN2_SMALL),
                                                   dtype=torch.float32).save_pretrained(saved / "small")
     added_size = _model_mb(saved) - _model_mb(saved, "small")
-    peaks = {name: _run(saved, tmp_path / name.replace(" ", "_"), *mesh, *SGD, model=model, steps=3)["measured"]
-             ["run_host_peak_mb"]
-             for name, model, mesh in (("fsdp small", "small", ("dist.strategy=fsdp",)),
-                                       ("fsdp", "qwen2", ("dist.strategy=fsdp",)), ("ddp", "qwen2", ()))}
-    print(f"run peaks per rank (MiB): {peaks}; the larger model adds {added_size:.0f} MiB")
+    runs = {name: _run(saved, tmp_path / name.replace(" ", "_"), *mesh, *SGD, model=model, steps=3)
+            # ddp first: a first run tokenizes the text (rank 0 imports datasets' libraries, about 90 MiB), and
+            # the two fsdp runs compared here should both find the cache
+            for name, model, mesh in (("ddp", "qwen2", ()), ("fsdp small", "small", ("dist.strategy=fsdp",)),
+                                      ("fsdp", "qwen2", ("dist.strategy=fsdp",)))}
+    peaks = {name: run["measured"]["run_host_peak_mb"] for name, run in runs.items()}
+    print(f"run peaks per rank (MiB): {peaks}; the larger model adds {added_size:.0f} MiB; plan: "
+          f"{ {name: round(run['plan']['run_host_peak_mb']) for name, run in runs.items()} }")
     for rank in range(2):
         added = peaks["fsdp"][rank] - peaks["fsdp small"][rank]
-        # A rank's half of the weights and of the gradients (0.5x), the units' gathers and buffers, the load's
-        # reads: 0.96-1.45x measured; a heap that kept every freed block (trainer.tune_malloc=reuse) 4.1-6.4x.
-        assert added < 2.0 * added_size, (rank, peaks, added_size)
+        # A rank's half of the weights and of the gradients (1.0x together), the root's gathered embedding with
+        # its whole gradient (tied to the head: held through the backward), a unit's gathered weights, its
+        # gradient and the reduce-scatter's copy: 1.33-1.45x measured; a heap that kept every freed block
+        # (trainer.tune_malloc=reuse) 4.1-6.4x.
+        assert added < 1.6 * added_size, (rank, peaks, added_size)
         assert peaks["fsdp"][rank] < peaks["ddp"][rank], (rank, peaks)
+    # Plan mode's figure for the rank that holds the most, from what the process held before its model was
+    # built: within 10 % (measured 0-3 %)
+    for name, run in runs.items():
+        predicted, measured = run["plan"]["run_host_peak_mb"], max(peaks[name])
+        assert abs(measured - predicted) <= 0.1 * predicted, (name, measured, predicted)
+        assert "the run's peak host memory" in run["log"] and f"(plan: {predicted:.0f} MiB)" in run["log"]
