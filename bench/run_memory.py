@@ -14,7 +14,8 @@ difference in their FP32 sizes: about 1x where a rank holds the whole model once
 gradients make 2x), about 0.5x where it holds half (fsdp on 2 ranks, weights and gradients sharded) plus what
 a unit's gathers add. Each row runs with both of ``trainer.tune_malloc``'s modes, side by side: ``bounded`` (blocks
 from 1 MiB up in their own mappings, returned when freed; the default where the model is cut across ranks) and
-``reuse`` (every block kept in the heap; the default under ddp, and what every mesh had before).
+``reuse`` (every block kept in the heap; the default under ddp, and what every mesh had before); ``--malloc
+default`` runs each mesh with the mode ``true`` chooses for it, where plan mode's figure is its prediction.
 """
 
 from __future__ import annotations
@@ -42,9 +43,11 @@ MODES = {
     "fsdp": ["dist.strategy=fsdp"],
     "fsdp, AdamW": ["dist.strategy=fsdp", "optim=adamw"],
     "tp 2": ["dist.tp.size=2"],
+    "fsdp, LoRA": ["dist.strategy=fsdp", "model.lora.r=4"],  # the base frozen and sharded, adapters of rank 4
 }
 GIB = str(1 << 30)
 MALLOC = {  # trainer.tune_malloc's two modes, forced by glibc's variables whatever the mesh (dist_trainer/hostmem.py)
+    "default": {},  # trainer.tune_malloc=true's own choice: bounded where the model is cut, reuse under ddp
     "bounded": {"MALLOC_MMAP_THRESHOLD_": str(1 << 20), "MALLOC_TRIM_THRESHOLD_": str(64 << 20)},
     "reuse": {"MALLOC_MMAP_THRESHOLD_": GIB, "MALLOC_TRIM_THRESHOLD_": GIB},
 }
@@ -81,7 +84,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs=2, default=[43, 216], choices=sorted(SHAPES))
     parser.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
-    parser.add_argument("--malloc", nargs="*", default=list(MALLOC), choices=list(MALLOC))
+    parser.add_argument("--malloc", nargs="*", default=["bounded", "reuse"], choices=list(MALLOC))
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--root", type=Path, default=None, help="keep the saved models here (default: a temp dir)")
     args = parser.parse_args()

@@ -44,17 +44,22 @@ SHARD_MB_ENV = "DIST_TRAINER_MAX_SHARD_MB"  # the largest safetensors file writt
 
 def save_final_model(strategy: Any, module: nn.Module, run_dir: Path, env: DistEnv, step: int) -> None:
     """Every rank calls it once training is done; rank 0 writes the outputs, whole or not at all."""
-    from .hf.export import is_lora
+    from .hf import export as hf_export
 
-    if is_lora(module):  # peft writes the adapters and the merged model from a whole copy (hf.export.save_pretrained)
+    lora = hf_export.is_lora(module)
+    if lora and not hf_export.streams(module):  # peft's other settings: from a whole copy (hf.export.save_pretrained)
         _save_whole(strategy.full_state_dict(), module, run_dir, env, step)
         return
     tensors = strategy.full_tensors()  # every rank learns the layout; nothing is gathered yet
+    adapters = None
+    if lora:  # the adapters whole first (small): each base weight is merged with its own as it arrives
+        names = set(hf_export.adapter_names(module))
+        adapters = dict(WholeTensors({n: t for n, t in tensors.local.items() if n in names}, {}, tensors.device))
     shard_mb = float(os.environ.get(SHARD_MB_ENV) or DEFAULT_SHARD_MB)
     writers: List[Any] = []
     failure: Optional[str] = None
     if env.is_main:
-        failure = _guard(lambda: writers.extend(_writers(tensors, module, run_dir, shard_mb)))
+        failure = _guard(lambda: writers.extend(_writers(tensors, module, run_dir, shard_mb, adapters)))
     for name, tensor in tensors:  # rank 0 alone gets each tensor; every rank walks to the end
         if failure is None:
             failure = _guard(lambda: [w.add(name, tensor) for w in writers])
@@ -100,9 +105,15 @@ def _save_state(state: Dict[str, torch.Tensor], tmp: Path, path: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _writers(tensors: WholeTensors, module: nn.Module, run_dir: Path, shard_mb: float) -> List[Any]:
+def _writers(tensors: WholeTensors, module: nn.Module, run_dir: Path, shard_mb: float,
+             adapters: Optional[Dict[str, torch.Tensor]] = None) -> List[Any]:
     writers: List[Any] = [_StateFile(tensors, run_dir)]
-    if hasattr(module, "tokenizer_spec"):  # dist_trainer.models.hf.HFModel
+    if adapters is not None:  # a LoRA model: hf_adapter/ now, hf_model/ merged tensor by tensor
+        from .hf.export import LoraWriter
+
+        writers.append(LoraWriter(module, tensors.layout, adapters, run_dir / HF_DIR, run_dir / "hf_adapter",
+                                  shard_mb))
+    elif hasattr(module, "tokenizer_spec"):  # dist_trainer.models.hf.HFModel
         from .hf.export import HFModelWriter
 
         writers.append(HFModelWriter(module, tensors.layout, run_dir / HF_DIR, shard_mb))

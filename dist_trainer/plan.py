@@ -673,6 +673,15 @@ def expected_state_bytes(cfg: Config, params: List[torch.Tensor], shard: int,
     return own + masters + _optimizer_state_bytes(cfg, sizes, is_muon, [p.shape for p in params])
 
 
+def frozen_bytes(cfg: Config, model: nn.Module, shard: int, cut: Dict[int, torch.Size]) -> int:
+    """What a rank holds of the parameters that do not train (a LoRA base), which state_mb leaves out: their FP32
+    shards under fsdp, else whole in their dtype."""
+    frozen = [p for p in {id(p): p for p in model.parameters()}.values() if not p.requires_grad]
+    if sharded_by_fsdp(cfg):
+        return 4 * sum(shard_elements(p, shard, cut.get(id(p))) for p in frozen)
+    return sum(math.prod(cut.get(id(p), p.shape)) * p.element_size() for p in frozen)
+
+
 def expert_state_bytes(cfg: Config, experts: List[torch.Tensor], ep: int, edp: int = 1) -> int:
     """State of a rank's expert slices (FP32 parameter, gradient, optimizer state): 1/ep of each, and its padded
     shard of that over ``edp`` ranks where FSDP cuts it again."""
@@ -798,9 +807,10 @@ def run_host_peak_mb(cfg: Config, plan: BatchPlan, numbers: Dict[str, Any],
         return None
     mode = hostmem.mode_for(cfg.trainer.tune_malloc, plan.mesh)
     whole = not plan.mesh.cuts_model or not cfg.dist.meta_init
+    frozen = numbers.get("frozen_mb") or 0.0  # held through the run beside the state (a LoRA base)
     return hostmem.expected_run_peak_mb(baseline_mb, mode, whole, numbers["load_host_peak_mb"],
-                                        numbers["step_peak_state_mb"], numbers["activation_mb"] or 0.0,
-                                        numbers["state_mb"], numbers["export_host_peak_mb"])
+                                        numbers["step_peak_state_mb"] + frozen, numbers["activation_mb"] or 0.0,
+                                        numbers["state_mb"] + frozen, numbers["export_host_peak_mb"])
 
 
 def runs_on_cpu(cfg: Config) -> bool:
@@ -873,6 +883,7 @@ def _mesh_numbers(cfg: Config, plan: BatchPlan, model: Optional[nn.Module]) -> D
                                                   muon) / MIB,
         "load_host_peak_mb": expected_load_bytes(cfg, mesh, model, cut) / MIB,
         "export_host_peak_mb": expected_export_bytes(mesh, model) / MIB,
+        "frozen_mb": frozen_bytes(cfg, model, mesh.shard, cut) / MIB,
         "step": step, "first_step": None if step is None else first_step_comm(step),
         "resumed_step": None if step is None else resumed_step_comm(step),
     }

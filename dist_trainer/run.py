@@ -36,6 +36,7 @@ from .moe import inactive_params, routing_of
 from . import fp8
 from .optim import build_optimizer, optimizer_line
 from .parallel import build_strategy, check_consistency
+from .parallel.state import WholeTensors
 from .plan import plan_numbers, write_plan_json
 from .precision import Precision
 from .signals import Preempted, StopRequest
@@ -180,7 +181,8 @@ def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
     make, source = whole, None
     if sharded and cfg.model.get("pretrained") and cfg.model.get("_target_") in HF_TARGETS:  # its slices, each rank
         make = lambda: instantiate(cfg.model, _convert_="all", load_weights=False)  # noqa: E731
-        source = pretrained.SafetensorsSource(Path(cfg.model["pretrained"]).expanduser())
+        source = pretrained.SafetensorsSource(Path(cfg.model["pretrained"]).expanduser(),
+                                              lora=bool((cfg.model.get("lora") or {}).get("r")))
     # What building (or loading) the model adds to this rank's memory: built whole, the build and the wrapping;
     # on the meta device the shards' materialisation, which measures itself (the recording imports the model's
     # library and allocates nothing the model keeps).
@@ -193,6 +195,8 @@ def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
         if cfg.precision.name in fp8.RECIPES:  # float8 linears first: every parallelism wraps them as it would a Linear
             fp8.convert(model, cfg.precision.fp8, cfg.precision.name, env.device.type)
         strategy = build_strategy(model, env, cfg.dist, mesh, precision, cfg.trainer.compile, materialise)
+        if materialise is not None:  # a frozen base built on the meta device: its digest from the shards
+            frozen = sharded_frozen_digest(strategy.module, env.device)
     load_mb = materialise.mb if materialise is not None else built.mb
     # The optimizer's tensors (FP32 masters in master modes) are the trainable parameters', in order.
     names = [n for n, p in strategy.module.named_parameters() if p.requires_grad]
@@ -212,6 +216,22 @@ def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
     np.random.seed(seed % 2**32)
     return Parts(trainer, step_plan, train_set, eval_set, dict(cfg.model), frozen, cfg.trainer.seed,
                  materialise is not None, load_mb, built.before_mb)
+
+
+def sharded_frozen_digest(module: nn.Module, device: torch.device) -> Optional[str]:
+    """checkpoint.frozen_digest of a model whose frozen parameters are shards (fsdp, tp): the same sha256 of the
+    whole tensors, by sorted name, walked one whole tensor at a time on rank 0 (parallel.state.WholeTensors)
+    and given to every rank. A digest a run wrote with the base built whole is equal to it."""
+    frozen = dict(sorted((name, p) for name, p in module.named_parameters() if not p.requires_grad))
+    if not frozen:
+        return None
+    walk = WholeTensors(frozen, {}, device)  # FP32 on rank 0, as the base is built
+    digest = [checkpoint.digest_of(walk) if dist.get_rank() == 0 else None]
+    if dist.get_rank() != 0:
+        for _ in walk:  # every rank takes part in each tensor's gather
+            pass
+    dist.broadcast_object_list(digest, src=0)
+    return digest[0]
 
 
 def choose_micro_batch(cfg: Config, parts: Parts, env: DistEnv) -> BatchPlan:

@@ -106,6 +106,7 @@ def _steps(cfg: Config, world: int) -> dict:
     module, rec = parts.trainer.module, {"grads": [], "items": []}
     # The frozen parameters (a LoRA model's base) as built: training must leave them as they are.
     rec["frozen"] = {name: _full(p) for name, p in module.named_parameters() if not p.requires_grad}
+    rec["frozen_digest"], rec["built_on_meta"] = parts.frozen, parts.built_on_meta  # what checkpoints record
     batches = epoch_batches(parts.train_set, parts.step_plan, 0, 0, 0, False)
     for step, (window, micro_batches) in zip(range(1, STEPS + 1), batches):
         outcome = parts.trainer.train_step(micro_batches, window, step)

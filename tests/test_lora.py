@@ -69,6 +69,10 @@ def test_lora_split_invariance_under_ddp_and_fsdp_and_the_base_stays_bit_identic
         _assert_close(ranks[1][(kind, strategy, ac)]["params"], rec["params"], f"{what} rank 1")
         assert all(torch.equal(rec["params"][n], rec["frozen"][n]) for n in rec["frozen"]), what  # not moved
         assert all(torch.equal(rec["frozen"][n], ref["frozen"][n]) for n in ref["frozen"]), what  # the same base
+        # fsdp builds the base on the meta device, each rank its shards, and takes its digest from them: the
+        # digest a whole copy gives, so checkpoints written either way resume either way
+        assert rec["built_on_meta"] == (strategy == "fsdp"), what
+        assert rec["frozen_digest"] == ref["frozen_digest"] and len(ref["frozen_digest"]) == 64, what
 
 
 def test_bf16_master_stores_the_base_in_bf16_and_trains_fp32_masters_of_the_adapters(tmp_path):

@@ -33,7 +33,7 @@ import os
 import pickle
 import random
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -97,12 +97,17 @@ def frozen_digest(model: torch.nn.Module) -> Optional[str]:
     this instead: a resume or an export on a different base is refused.
     """
     frozen = sorted((name, p) for name, p in model.named_parameters() if not p.requires_grad)
-    if not frozen:
-        return None
+    if not frozen or any(p.is_meta for _, p in frozen):
+        return None  # built on the meta device: taken from the shards once they hold values (run.build)
+    return digest_of(frozen)
+
+
+def digest_of(named: Iterable[Tuple[str, torch.Tensor]]) -> str:
+    """sha256 of whole tensors by name, in the order given (frozen_digest's: sorted by name)."""
     digest = hashlib.sha256()
-    for name, p in frozen:
+    for name, t in named:
         digest.update(name.encode())
-        digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 

@@ -129,6 +129,87 @@ class HFModelWriter:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+class LoraWriter:
+    """A LoRA model's ``hf_model/`` (the adapters merged into the base) and ``hf_adapter/`` (the adapters in
+    peft's format), tensor by tensor: each base weight arrives whole, once, and is written with its adapters'
+    product added (``W + scaling B A``, peft's merge), so no rank holds the base whole.
+
+    ``adapters``: every adapter tensor whole (small beside the base), known before the walk; they are written
+    to ``hf_adapter/`` at once. For plain LoRA on linear layers (``streams``); other peft settings (DoRA, a LoRA
+    bias, modules to save, new tokens' rows) are written from a whole copy (``save_pretrained``).
+    """
+
+    def __init__(self, module: torch.nn.Module, layout: Sequence[TensorInfo], adapters: Dict[str, torch.Tensor],
+                 out: Path, adapter_out: Path, max_shard_mb: Optional[float] = None):
+        from types import SimpleNamespace
+
+        from ..models.pretrained import _unwrapped
+
+        self.adapters, self.merges = adapters, lora_merges(module)
+        self.name = lambda name: PREFIX + _unwrapped(name[len(PREFIX):])  # the base model's name of a tensor
+        base = [TensorInfo(self.name(i.name), i.shape, i.dtype, i.holder, self.name(i.tied_to) if i.tied_to else None)
+                for i in layout if i.name not in adapters]
+        view = SimpleNamespace(model=module.model.get_base_model(), tokenizer_spec=module.tokenizer_spec,
+                               chat_template=module.chat_template)
+        _write(lambda tmp: _write_adapters(module, adapters, tmp), adapter_out)
+        self.merged = HFModelWriter(view, base, out, max_shard_mb)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self.adapters:
+            return
+        if name in self.merges:
+            a, b, scaling, fan_in_fan_out = self.merges[name]
+            delta = self.adapters[b] @ self.adapters[a]
+            tensor = tensor + (delta.T if fan_in_fan_out else delta) * scaling
+        self.merged.add(self.name(name), tensor)
+
+    def close(self) -> None:
+        self.merged.close()
+
+    def abandon(self) -> None:
+        self.merged.abandon()
+
+
+def lora_merges(module: torch.nn.Module) -> Dict[str, Tuple[str, str, float, bool]]:
+    """Each LoRA-adapted base weight's framework name -> (its A, its B, scaling, fan_in_fan_out)."""
+    from peft.tuners.lora import LoraLayer
+
+    return {f"{name}.base_layer.weight": (f"{name}.lora_A.default.weight", f"{name}.lora_B.default.weight",
+                                          float(m.scaling["default"]), bool(getattr(m, "fan_in_fan_out", False)))
+            for name, m in module.named_modules() if isinstance(m, LoraLayer)}
+
+
+def streams(module: torch.nn.Module) -> bool:
+    """Whether LoraWriter writes this LoRA model: plain LoRA on linear layers, adapters its only trained tensors."""
+    from peft.tuners.lora import Linear, LoraLayer
+
+    layers = [m for m in module.modules() if isinstance(m, LoraLayer)]
+    plain = all(type(m) is Linear and not m.use_dora.get("default") and not getattr(m, "lora_bias", {}).get("default")
+                for m in layers)
+    trained = [n for n, p in module.named_parameters() if p.requires_grad]
+    return bool(layers) and plain and all(".lora_A." in n or ".lora_B." in n for n in trained)
+
+
+def adapter_names(module: torch.nn.Module) -> List[str]:
+    """The framework names of a LoRA model's adapter tensors (what trains)."""
+    return [n for n, p in module.named_parameters() if p.requires_grad]
+
+
+def _write_adapters(module: torch.nn.Module, adapters: Dict[str, torch.Tensor], directory: Path) -> None:
+    """hf_adapter/ as peft's ``save_pretrained`` writes it: adapter_model.safetensors, adapter_config.json, the
+    tokenizer."""
+    import peft
+    from safetensors.torch import save_file
+
+    state = peft.get_peft_model_state_dict(module.model, state_dict={k[len(PREFIX):]: v for k, v in adapters.items()})
+    save_file({k: v.contiguous() for k, v in state.items()}, str(directory / "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    config = copy.deepcopy(module.model.peft_config["default"])
+    config.inference_mode = True
+    config.save_pretrained(str(directory))
+    _save_tokenizer(module, directory)
+
+
 def layout_of(state: Dict[str, torch.Tensor], ties: Dict[str, str]) -> List[TensorInfo]:
     """The layout of a whole state dict held in this process (FP32 floating tensors as written)."""
     return [TensorInfo(name, tuple(t.shape), torch.float32 if t.is_floating_point() else t.dtype, 0, ties.get(name))

@@ -327,9 +327,9 @@ def build(make: Callable[[], nn.Module], sharded: bool, device: torch.device, wa
           ) -> Tuple[nn.Module, Optional["Materialiser"]]:
     """(the model, how to materialise it once sharded), or (the model built whole, None).
 
-    ``sharded``: the strategy cuts the model (fsdp, hsdp, tp, pp), so it is built on the meta device. A model
-    whose constructor cannot be recorded, or with frozen parameters (a LoRA base: its digest is taken from the
-    whole tensors), is built whole (``make_whole``, default ``make``), and ``warn`` says what that costs.
+    ``sharded``: the strategy cuts the model (fsdp, hsdp, tp, pp), so it is built on the meta device (a LoRA
+    model too: its frozen base is sharded like any weight). A model whose constructor cannot be recorded is
+    built whole (``make_whole``, default ``make``), and ``warn`` says what that costs.
     ``pretrained``: a ``pretrained.SafetensorsSource`` whose tensors replace the recorded initialisation.
     """
     make_whole = make_whole or make
@@ -338,8 +338,10 @@ def build(make: Callable[[], nn.Module], sharded: bool, device: torch.device, wa
     state = torch.random.get_rng_state()
     try:
         model, trace = record(make)
-        why = "it has frozen parameters (their digest needs them whole)" if any(
-            not p.requires_grad for p in model.parameters()) else None
+        # peft's copies of base tensors (new tokens' rows, a module to save) are made from the base's initial
+        # values, before a pretrained file fills them: built whole, they copy the file's
+        copies = [n for n, _ in model.named_parameters() if "trainable_tokens_delta" in n or "modules_to_save" in n]
+        why = f"its LoRA adapters copy base tensors ({copies[0]})" if copies else None
     except NotRecordable as err:
         why = str(err)
     if why is None:

@@ -364,7 +364,8 @@ def hf_model(task: str = "causal_lm", model_type: Optional[str] = None, config: 
                 model = auto.from_pretrained(where, dtype=torch.float32, **extra, **overrides)
             else:  # the configuration only, with the tokenizer's vocabulary: the rows it adds get the mean on load
                 config = transformers.AutoConfig.from_pretrained(where, **overrides)
-                config.vocab_size = max(config.vocab_size, vocab or 0)
+                saved, config.vocab_size = config.vocab_size, max(config.vocab_size, vocab or 0)
+                added = list(range(saved, config.vocab_size))  # as from_pretrained's resize below gives them
                 model = auto.from_config(config, dtype=torch.float32, **extra)
         except (OSError, ValueError) as err:
             raise ConfigError(f"model.pretrained={pretrained}: cannot be loaded ({err})") from err

@@ -81,11 +81,31 @@ class SafetensorsFile:
         return out
 
 
-class SafetensorsSource:
-    """The tensors of a ``save_pretrained`` directory, by the model's parameter names (``prefix`` + file key)."""
+# Where peft's LoRA model keeps a base tensor: the base model under "base_model.model.", a targeted layer's
+# weight in its "base_layer", a module to save both as it was ("original_module") and as it trains.
+PEFT_WRAPPER = "base_model.model."
+PEFT_SEGMENTS = (".base_layer.", ".original_module.", ".modules_to_save.default.")
 
-    def __init__(self, directory: Path, prefix: str = "model."):
+
+def _unwrapped(name: str) -> str:
+    """A LoRA model's tensor name as the base model names it (what its files hold)."""
+    if name.startswith(PEFT_WRAPPER):
+        name = name[len(PEFT_WRAPPER):]
+    for segment in PEFT_SEGMENTS:
+        name = name.replace(segment, ".")
+    return name
+
+
+class SafetensorsSource:
+    """The tensors of a ``save_pretrained`` directory, by the model's parameter names (``prefix`` + file key).
+
+    ``lora``: the model is peft's LoRA model over the files' one: its base tensors are read from the base's keys
+    (a module to save, both of its copies); the adapters are not in the files and keep their initialisation.
+    """
+
+    def __init__(self, directory: Path, prefix: str = "model.", lora: bool = False):
         self.directory, self.prefix = Path(directory), prefix
+        self.file_name = _unwrapped if lora else (lambda name: name)
         if (self.directory / INDEX).exists():
             weight_map = json.loads((self.directory / INDEX).read_text())["weight_map"]
             self.files = {key: self.directory / name for key, name in weight_map.items()}
@@ -98,8 +118,9 @@ class SafetensorsSource:
     def key(self, names: List[str]) -> Optional[str]:
         """The file key of a tensor known by ``names`` (tied tensors have several), or None."""
         for name in names:
-            if name.startswith(self.prefix) and name[len(self.prefix):] in self.files:
-                return name[len(self.prefix):]
+            key = self.file_name(name[len(self.prefix):]) if name.startswith(self.prefix) else None
+            if key in self.files:
+                return key
         return None
 
     def load_into(self, model: nn.Module, aliases: Dict[str, List[str]]) -> int:
@@ -125,8 +146,9 @@ class SafetensorsSource:
 
     def check_covers(self, aliases: Dict[str, List[str]]) -> None:
         """Every file key is a tensor of the model (no silent drop of a weight)."""
-        names = {n for group in aliases.values() for n in group}
-        unknown = sorted(key for key in self.files if self.prefix + key not in names)
+        names = {self.file_name(n[len(self.prefix):]) for group in aliases.values() for n in group
+                 if n.startswith(self.prefix)}
+        unknown = sorted(key for key in self.files if key not in names)
         if unknown:
             raise ConfigError(f"model.pretrained={self.directory}: the files hold {unknown[:3]}, which the model "
                               f"built from its config.json has no tensor for")
