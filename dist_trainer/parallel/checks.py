@@ -18,7 +18,7 @@ def check_tp(cfg: Config) -> None:
     require(isinstance(tp.size, int) and not isinstance(tp.size, bool) and tp.size >= 1, "dist.tp.size", tp.size,
             "must be an integer >= 1 (1: no tensor parallelism)")
     require(tp.plan == "auto" or (isinstance(tp.plan, dict) and bool(tp.plan) and
-                                 all(isinstance(k, str) and v in TP_STYLES for k, v in tp.plan.items())),
+                                  all(isinstance(k, str) and v in TP_STYLES for k, v in tp.plan.items())),
             "dist.tp.plan", tp.plan, f"auto, or a mapping of module-name patterns to one of {list(TP_STYLES)}")
     require(isinstance(tp.sequence_parallel, bool), "dist.tp.sequence_parallel", tp.sequence_parallel,
             "must be true or false")
