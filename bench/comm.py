@@ -44,7 +44,8 @@ def worker(out_path: str, steps: int) -> None:
     from torch.utils.data import DataLoader
 
     from dist_trainer import distributed
-    from dist_trainer.config import BatchConfig, Config, OptimConfig, TrainerConfig, validate
+    from dist_trainer.config import BatchConfig, Config, OptimConfig, TrainerConfig
+    from dist_trainer.validation import validate
     from dist_trainer.data import epoch_batches
     from dist_trainer.parallel.ddp import count_allreduces
     from dist_trainer.precision import ModelWeights

@@ -44,8 +44,8 @@ RESHARDS = ("micro_batch", "forward", "step")
 
 
 def plan_for(model: dict, precision: str, micro: int, accum: int, strategy: str, shard_size, reshard: str) -> dict:
-    from dist_trainer.config import (BatchConfig, Config, DistConfig, FSDPConfig, PrecisionConfig, TrainerConfig,
-                                     validate)
+    from dist_trainer.config import BatchConfig, Config, DistConfig, FSDPConfig, PrecisionConfig, TrainerConfig
+    from dist_trainer.validation import validate
     from dist_trainer.plan import plan_numbers
 
     cfg = Config(model={"_target_": "dist_trainer.models.GPT", "dropout": 0.0, **model},

@@ -248,7 +248,7 @@ class Mode:
     """One mode's run on ``world`` ranks, built as dist_trainer.run builds it, and its batches."""
 
     def __init__(self, overrides: List[str], env, world: int) -> None:
-        from dist_trainer.config import validate
+        from dist_trainer.validation import validate
         from dist_trainer.plan import plan_numbers
         from dist_trainer.run import build
 

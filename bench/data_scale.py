@@ -68,7 +68,8 @@ def real_runs(directory: Path) -> None:
 
 
 def data_path(directory: Path) -> None:
-    from dist_trainer.config import BatchConfig, Config, validate
+    from dist_trainer.config import BatchConfig, Config
+    from dist_trainer.validation import validate
     from dist_trainer.data import StepPlan, epoch_batches
     from dist_trainer.data.tokens import token_file
 

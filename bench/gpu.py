@@ -109,7 +109,8 @@ def run_config(env, spec: dict, tokens: Path, precision: str, compile_model: boo
     import torch
 
     from dist_trainer.config import (BatchConfig, Config, DistConfig, FSDPConfig, MuonConfig, OptimConfig,
-                                     PrecisionConfig, TrainerConfig, validate)
+                                     PrecisionConfig, TrainerConfig)
+    from dist_trainer.validation import validate
     from dist_trainer.data import epoch_batches
     from dist_trainer.metrics import peak_flops, peak_mem_mb
     from dist_trainer.run import build, to_device

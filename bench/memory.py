@@ -54,7 +54,8 @@ def worker(precision: str, micro: int, accum: int, steps: int) -> None:
     import torch
 
     from dist_trainer import distributed
-    from dist_trainer.config import BatchConfig, Config, OptimConfig, PrecisionConfig, TrainerConfig, validate
+    from dist_trainer.config import BatchConfig, Config, OptimConfig, PrecisionConfig, TrainerConfig
+    from dist_trainer.validation import validate
     from dist_trainer.data import epoch_batches
     from dist_trainer.run import build
 

@@ -74,7 +74,7 @@ def _saved_bytes(rank: int, world: int, overrides: list, out: str) -> None:
 
     import dist_trainer.cli  # noqa: F401  (registers the schema)
     from dist_trainer import distributed
-    from dist_trainer.config import validate
+    from dist_trainer.validation import validate
     from dist_trainer.data import epoch_batches
     from dist_trainer.run import build
 

@@ -97,7 +97,7 @@ def predicted_bytes(cfg: Config, plan: BatchPlan, precision: Any) -> Optional[in
     from .parallel.blocks import checkpoint_blocks, find_blocks
     from .parallel.cp import _RingAttention, padded_length, ulysses_attention
 
-    from .config import CP_MODELS
+    from .parallel.checks import CP_MODELS
     from .moe.routing import routing_of
 
     mesh = plan.mesh

@@ -21,7 +21,7 @@ from hydra.utils import instantiate
 from torch import nn
 
 from . import hostmem
-from .config import BatchPlan, Config, ConfigError, MeshShape, master_mode, pp_v_shape, validate
+from .config import BatchPlan, Config, ConfigError, MeshShape, master_mode, pp_v_shape
 from .data import StepPlan, build_dataset
 from .fp8 import RECIPES, gathered_in_float8
 from .models.hf import TARGETS as HF_TARGETS
@@ -35,6 +35,7 @@ from .activations import predicted_bytes
 from .parallel.tp import FP8_AMAX_KEYS, TP_COMM_KEYS, expected_tp_comm, local_shapes, norm_activation_bytes, resolve_plan
 from .precision import Precision
 from .trainer import STEP_FIXED_SLOTS
+from .validation import validate
 
 MIB = 2**20
 FIRST_BUCKET_BYTES = 1 * MIB  # DDP's smaller first bucket when bucket_cap_mb is left to it

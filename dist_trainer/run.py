@@ -22,7 +22,7 @@ from torch import nn
 from . import checkpoint, distributed, hostmem, tracking
 from .checkpoint import background
 from .compiling import CompileWatch, eager_eval
-from .config import BatchPlan, Config, ConfigError, logger_names, validate
+from .config import BatchPlan, Config, ConfigError, logger_names
 from .data import StepPlan, TrainLoader, build_dataset, eval_loader
 from .distributed import DistEnv
 from .final import save_final_model
@@ -41,6 +41,7 @@ from .plan import plan_numbers, write_plan_json
 from .precision import Precision
 from .signals import Preempted, StopRequest
 from .trainer import StepOutcome, Trainer, loss_terms
+from .validation import validate
 
 log = logging.getLogger("dist_trainer")
 

@@ -256,7 +256,7 @@ import gc  # noqa: E402
 import traceback  # noqa: E402
 
 from dist_trainer import distributed  # noqa: E402
-from dist_trainer.config import validate  # noqa: E402
+from dist_trainer.validation import validate  # noqa: E402
 from dist_trainer.data import epoch_batches  # noqa: E402
 from dist_trainer.run import build  # noqa: E402
 

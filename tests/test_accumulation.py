@@ -34,7 +34,8 @@ import torch.distributed as dist
 from torch.utils.data import Subset, default_collate
 
 from dist_trainer import distributed
-from dist_trainer.config import BatchConfig, Config, DistConfig, OptimConfig, PrecisionConfig, TrainerConfig, validate
+from dist_trainer.config import BatchConfig, Config, DistConfig, OptimConfig, PrecisionConfig, TrainerConfig
+from dist_trainer.validation import validate
 from dist_trainer.data import StepPlan, epoch_batches
 from dist_trainer.data.builtin import char_text, regression
 from dist_trainer.models import GPT, BranchyMLP

@@ -21,7 +21,8 @@ import torch
 
 from dist_trainer import distributed
 from dist_trainer.activations import saved_bytes
-from dist_trainer.config import CPConfig, validate
+from dist_trainer.config import CPConfig
+from dist_trainer.validation import validate
 from dist_trainer.data import epoch_batches
 from dist_trainer.parallel.blocks import find_blocks
 from dist_trainer.plan import plan_numbers

@@ -823,7 +823,8 @@ def test_keep_every_keeps_its_steps_checkpoints_from_pruning_while_saving_and_at
 
 @pytest.mark.parametrize("value", [-1, 1.5, True])
 def test_a_bad_keep_every_is_a_config_error_naming_it(value):
-    from dist_trainer.config import ConfigError, validate
+    from dist_trainer.config import ConfigError
+    from dist_trainer.validation import validate
     from test_hsdp import _gpt
 
     cfg = _gpt(8)

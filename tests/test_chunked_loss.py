@@ -57,7 +57,8 @@ import sys
 import pytest
 import torch
 
-from dist_trainer.config import ConfigError, CPConfig, PPConfig, TPConfig, validate
+from dist_trainer.config import ConfigError, CPConfig, PPConfig, TPConfig
+from dist_trainer.validation import validate
 from dist_trainer.models import GPT
 from dist_trainer.models.loss import IGNORE_INDEX, _ChunkedHeadLoss
 from dist_trainer.parallel.tp import TP_COMM_KEYS

@@ -37,7 +37,8 @@ import torch
 from torch.utils.data import Dataset
 
 from dist_trainer.activations import saved_bytes
-from dist_trainer.config import ConfigError, CPConfig, PPConfig, TPConfig, validate
+from dist_trainer.config import ConfigError, CPConfig, PPConfig, TPConfig
+from dist_trainer.validation import validate
 from dist_trainer.data.builtin import char_text
 from dist_trainer.models.hf import hf_model
 from helpers import SAME_OPS_TOL, SCALE_TOL, assert_all_close_scaled

@@ -31,8 +31,8 @@ from torch.utils.data import Subset
 
 from dist_trainer import distributed
 from dist_trainer.compiling import compiled_frames
-from dist_trainer.config import (BatchConfig, Config, DistConfig, OptimConfig, PrecisionConfig, TrainerConfig,
-                                 validate)
+from dist_trainer.config import BatchConfig, Config, DistConfig, OptimConfig, PrecisionConfig, TrainerConfig
+from dist_trainer.validation import validate
 from dist_trainer.data import epoch_batches
 from dist_trainer.data.builtin import char_text
 from dist_trainer.run import build, train

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dist_trainer import distributed
-from dist_trainer.config import validate
+from dist_trainer.validation import validate
 from dist_trainer.data import epoch_batches
 from dist_trainer.parallel import ConsistencyError, check_consistency
 from dist_trainer.run import build

@@ -20,7 +20,7 @@ import torch
 from hydra.utils import instantiate
 
 from dist_trainer import distributed
-from dist_trainer.config import validate
+from dist_trainer.validation import validate
 from dist_trainer.models import GPT
 from dist_trainer.models.construct import NotRecordable, build, materialise, record
 from dist_trainer.run import build as build_parts

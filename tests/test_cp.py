@@ -29,7 +29,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import Subset
 
-from dist_trainer.config import ConfigError, CPConfig, validate
+from dist_trainer.config import ConfigError, CPConfig
+from dist_trainer.validation import validate
 from dist_trainer.data.builtin import char_text
 from dist_trainer.parallel.cp import CPCounter, CPGroup, _RingAttention, positions, ulysses_attention
 from dist_trainer.plan import plan_numbers

@@ -27,7 +27,8 @@ import os
 
 import pytest
 
-from dist_trainer.config import ConfigError, Fp8Config, TPConfig, validate
+from dist_trainer.config import ConfigError, Fp8Config, TPConfig
+from dist_trainer.validation import validate
 from dist_trainer.plan import plan_numbers
 from helpers import SCALE_TOL, assert_all_close_scaled, assert_close_scaled, job_record, record_steps, run_jobs, scaled_error, set_floor
 from test_accumulation import GLOBAL, STEPS, gpt_config, in_one_process, launch_clean

@@ -31,7 +31,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from dist_trainer import distributed
-from dist_trainer.config import ConfigError, validate
+from dist_trainer.config import ConfigError
+from dist_trainer.validation import validate
 from dist_trainer.data import epoch_batches
 from dist_trainer.run import build
 from helpers import SAME_OPS_TOL, SCALE_TOL, assert_all_close_scaled

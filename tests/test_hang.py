@@ -30,7 +30,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from dist_trainer.config import ConfigError, validate
+from dist_trainer.config import ConfigError
+from dist_trainer.validation import validate
 from dist_trainer.health import console, stragglers
 from dist_trainer.health import store as shared
 from dist_trainer.health.watchdog import AUTO_FLOOR_S, EXIT_HUNG, Watchdog, is_collective_failure

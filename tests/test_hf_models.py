@@ -35,7 +35,8 @@ pytest.importorskip("transformers")
 
 from dist_trainer import distributed  # noqa: E402
 from dist_trainer.config import (BatchConfig, Config, ConfigError, DistConfig, OptimConfig,  # noqa: E402
-                                 PrecisionConfig, TrainerConfig, validate)
+                                 PrecisionConfig, TrainerConfig)
+from dist_trainer.validation import validate  # noqa: E402
 from dist_trainer.data import epoch_batches  # noqa: E402
 from dist_trainer.models.hf import hf_model  # noqa: E402
 from dist_trainer.run import build, train  # noqa: E402

@@ -115,7 +115,8 @@ def test_tune_malloc_true_bounds_the_meshes_that_cut_the_model_and_a_bad_value_n
     import dataclasses
 
     from dist_trainer import hostmem
-    from dist_trainer.config import ConfigError, MeshShape, validate
+    from dist_trainer.config import ConfigError, MeshShape
+    from dist_trainer.validation import validate
     from test_accumulation import gpt_config
 
     for mesh in (MeshShape("ddp", replicate=2, shard=1), MeshShape("ddp", 2, 1, cp=2)):  # every rank holds it whole

@@ -31,7 +31,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from dist_trainer import distributed
-from dist_trainer.config import BatchConfig, ConfigError, OptimConfig, validate
+from dist_trainer.config import BatchConfig, ConfigError, OptimConfig
+from dist_trainer.validation import validate
 from dist_trainer.data import epoch_batches
 from dist_trainer.plan import plan_numbers
 from dist_trainer.run import build

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from dist_trainer import distributed
-from dist_trainer.config import ConfigError, validate
+from dist_trainer.config import ConfigError
+from dist_trainer.validation import validate
 from dist_trainer.data import epoch_batches
 from dist_trainer.models.hf import hf_model
 from dist_trainer.run import build

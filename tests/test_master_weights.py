@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dist_trainer import distributed
-from dist_trainer.config import validate
+from dist_trainer.validation import validate
 from dist_trainer.data import epoch_batches
 from dist_trainer.run import build, train
 from helpers import assert_all_close_scaled, job_record, regression_config, run_jobs, run_ranks

@@ -24,7 +24,8 @@ import pytest
 import torch
 from torch.utils.data import Subset
 
-from dist_trainer.config import ConfigError, validate
+from dist_trainer.config import ConfigError
+from dist_trainer.validation import validate
 from dist_trainer.models import GPT
 from dist_trainer.parallel.state import local_tensor
 from helpers import SCALE_TOL, record_steps, run_jobs, scaled_error

@@ -22,7 +22,8 @@ import shutil
 
 import pytest
 
-from dist_trainer.config import ConfigError, EPConfig, validate
+from dist_trainer.config import ConfigError, EPConfig
+from dist_trainer.validation import validate
 from dist_trainer.moe.ep import expert_params
 from dist_trainer.plan import plan_numbers
 from helpers import SCALE_TOL, record_steps, run_jobs, scaled_error

@@ -24,7 +24,8 @@ import dataclasses
 import pytest
 import torch
 
-from dist_trainer.config import EPConfig, validate
+from dist_trainer.config import EPConfig
+from dist_trainer.validation import validate
 from dist_trainer.plan import plan_numbers
 
 from test_accumulation import in_one_process, launch_clean

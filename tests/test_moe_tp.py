@@ -20,7 +20,8 @@ import dataclasses
 
 import pytest
 
-from dist_trainer.config import EPConfig, validate
+from dist_trainer.config import EPConfig
+from dist_trainer.validation import validate
 from dist_trainer.plan import plan_numbers
 from test_accumulation import in_one_process, launch_clean
 from test_moe import _assert_same_run, _rec, _worker, moe_config

@@ -23,7 +23,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import FlopCounterMode
 
-from dist_trainer.config import ConfigError, MuonConfig, PPConfig, TPConfig, validate
+from dist_trainer.config import ConfigError, MuonConfig, PPConfig, TPConfig
+from dist_trainer.validation import validate
 from dist_trainer.optim import build_optimizer, muon_split
 from dist_trainer.optim.muon import COMM_KEYS, orthogonalise
 from dist_trainer.plan import plan_numbers

@@ -22,7 +22,8 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from dist_trainer.config import ConfigError, validate
+from dist_trainer.config import ConfigError
+from dist_trainer.validation import validate
 from dist_trainer.optim import build_optimizer
 from dist_trainer.plan import plan_numbers
 from helpers import SCALE_TOL, assert_all_close_scaled, job_record, record_steps, run_jobs, scaled_error, set_floor

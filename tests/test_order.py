@@ -14,7 +14,7 @@ import itertools
 import numpy as np
 import pytest
 
-from dist_trainer.config import validate
+from dist_trainer.validation import validate
 from dist_trainer.data.loader import SampleOrder, StepPlan, _MicroBatchSampler, hash_key
 from helpers import regression_config
 

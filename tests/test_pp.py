@@ -28,7 +28,8 @@ import pytest
 import torch
 from torch.utils.data import Subset
 
-from dist_trainer.config import ConfigError, validate
+from dist_trainer.config import ConfigError
+from dist_trainer.validation import validate
 from dist_trainer.models import GPT
 from helpers import assert_all_close_scaled
 from test_accumulation import GLOBAL, in_one_process, launch_clean, unbalanced_text

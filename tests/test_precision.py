@@ -43,8 +43,8 @@ from dist_trainer.config import (
     PrecisionConfig,
     derive_batch,
     scaled_lr,
-    validate,
 )
+from dist_trainer.validation import validate
 from dist_trainer.optim import lr_at
 from dist_trainer.precision import ConstantScaler, DynamicLossScaler, LossScaleError, Precision
 from helpers import RegressionMLP

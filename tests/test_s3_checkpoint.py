@@ -130,7 +130,8 @@ def test_a_hugging_face_checkpoint_in_s3_exports(s3, tmp_path):
 
 
 def test_credentials_in_the_url_are_refused_naming_the_key():
-    from dist_trainer.config import ConfigError, validate
+    from dist_trainer.config import ConfigError
+    from dist_trainer.validation import validate
     from test_hsdp import _gpt
 
     cfg = _gpt(8)

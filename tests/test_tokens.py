@@ -28,7 +28,8 @@ import numpy as np
 import pytest
 import torch
 
-from dist_trainer.config import ConfigError, validate
+from dist_trainer.config import ConfigError
+from dist_trainer.validation import validate
 from dist_trainer.data import StepPlan, epoch_batches
 from dist_trainer.data.prepare import BYTES_EOT, PrepareError, held_out, prepare
 from dist_trainer.data.tokens import TokenFile, token_file

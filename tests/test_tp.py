@@ -33,7 +33,8 @@ import dataclasses
 import pytest
 import torch
 
-from dist_trainer.config import ConfigError, validate
+from dist_trainer.config import ConfigError
+from dist_trainer.validation import validate
 from dist_trainer.data.hf_chat import hf_chat
 from dist_trainer.plan import plan_numbers
 from helpers import SAME_OPS_TOL, assert_all_close_scaled

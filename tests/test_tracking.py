@@ -35,7 +35,8 @@ from typing import Dict, List
 
 import pytest
 
-from dist_trainer.config import ConfigError, validate
+from dist_trainer.config import ConfigError
+from dist_trainer.validation import validate
 from dist_trainer.tracking import Trackers, flatten, metrics_of
 from helpers import free_port, regression_config
 from test_checkpoint import TINY, Job, gated, metrics, resumed_from, run, wait_for

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dist_trainer import distributed
-from dist_trainer.config import validate
+from dist_trainer.validation import validate
 from dist_trainer.data import epoch_batches
 from dist_trainer.run import build, train
 from helpers import (RegressionMLP, assert_all_close_scaled, assert_close_scaled, job_record, regression_config,

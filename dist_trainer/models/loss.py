@@ -40,7 +40,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from ..config import ConfigError
+from ..config import Config, ConfigError, MeshShape, require
 
 IGNORE_INDEX = -100
 # Rows of the head's matmul at a time. 1024 rows keep each chunk's matmuls large enough to run at full speed
@@ -70,6 +70,32 @@ class LossOptions:
         if not (isinstance(size, int) and not isinstance(size, bool) and size >= 1):
             raise ConfigError(f"model.loss.chunk_tokens={size!r}: must be an integer >= 1 (rows of logits at a time)")
         return cls(chunked, size)
+
+
+# The Hugging Face builder (models.hf): model.loss reaches it as it reaches the GPT; its chunks are a causal LM's.
+HF_MODELS = ("dist_trainer.models.hf.hf_model", "dist_trainer.hf.models.hf_model")
+
+
+def check_loss(cfg: Config, mesh: MeshShape) -> None:
+    """``model.loss`` (the built-in GPT's, a Hugging Face causal LM's): its keys, and ``chunked`` refused where
+    the chunks would not be exact.
+
+    The chunked loss runs in the model's own forward, reading the head's weight whole (``chunked_loss_terms``
+    below). A Hugging Face family whose head is more than a bias-free linear map is refused when it is built
+    (models.hf).
+    """
+    loss = cfg.model.get("loss")
+    if not isinstance(loss, dict):
+        return  # absent, or a custom model's own constructor argument
+    if not LossOptions.from_dict(loss).chunked:
+        return
+    key, fix = "model.loss.chunked", "set model.loss.chunked=false"
+    require(cfg.model.get("_target_") not in HF_MODELS or cfg.model.get("task", "causal_lm") == "causal_lm", key,
+            True, f"is for causal LMs (model=hf_causal_lm); a masked LM's head transforms the hidden states: {fix}")
+    # Under tp the chunks are computed on each rank's slice of the vocabulary, the layout loss_parallel gives.
+    require(mesh.tp == 1 or cfg.dist.tp.loss_parallel, key, True, f"with dist.tp.size={mesh.tp} computes each "
+            "chunk's cross-entropy on the ranks' vocabulary slices, which dist.tp.loss_parallel=false gathers "
+            f"instead; set dist.tp.loss_parallel=true (or {fix})")
 
 
 def chunked_loss_terms(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,

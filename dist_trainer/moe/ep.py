@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import ConfigError, MeshShape
+from ..config import Config, ConfigError, MeshShape, divisors, master_mode, require
 from .layer import MoE
 
 EP_COMM_KEYS = ("all_to_alls", "all_to_all_bytes")
@@ -161,6 +161,25 @@ class LocalGrads:
 
     def grads(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         return [(p, g.to_local() if hasattr(g, "to_local") else g) for p, g in self.inner.grads()]
+
+
+def check_ep_size(cfg: Config, mesh: MeshShape) -> None:
+    """``dist.ep.size`` against the model: the built-in GPT's MoE layers, their experts cut evenly."""
+    if mesh.ep == 1:
+        return
+    moe = cfg.model.get("moe")
+    if isinstance(moe, dict) and "num_experts" not in moe:
+        return  # a Hugging Face MoE model brings its experts: moe.ep checks them once it is built
+    experts = (moe.get("num_experts") or 0) if isinstance(moe, dict) else 0
+    require(isinstance(experts, int) and experts > 0, "dist.ep.size", mesh.ep,
+            "needs a model with MoE layers (model.moe.num_experts > 0, the built-in GPT's); this one has none: "
+            "set dist.ep.size=1")
+    require(experts % mesh.ep == 0, "dist.ep.size", mesh.ep,
+            f"must divide model.moe.num_experts={experts} (each rank of an expert-parallel group holds "
+            f"num_experts / dist.ep.size of them): one of {[d for d in divisors(experts) if mesh.data_ranks % d == 0]}")
+    require(not (mesh.strategy == "ddp" and master_mode(cfg.precision)), "precision.name",
+            cfg.precision.name, f"with dist.ep.size={mesh.ep} under dist.strategy=ddp is not supported yet (the "
+            "experts' FP32 masters would be whole): use a *-mixed precision, or dist.strategy=fsdp")
 
 
 def check_ep(model: nn.Module, mesh: MeshShape) -> None:

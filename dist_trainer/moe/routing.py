@@ -29,7 +29,7 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..config import ConfigError
+from ..config import Config, ConfigError, require
 from ..recompute import recomputing
 
 SCOPES = ("global", "sequence", "micro_batch")
@@ -57,6 +57,27 @@ class BalanceConfig:
             if not value >= 0.0:
                 raise ConfigError(f"model.moe.{key}={value}: must be >= 0")
         return cfg
+
+
+def check_moe(cfg: Config) -> None:
+    """``model.moe``: the balancing keys (any MoE model), the built-in GPT's layer shape."""
+    moe = cfg.model.get("moe")
+    if not isinstance(moe, dict):
+        return
+    BalanceConfig.from_dict(moe)  # the one reader of the balancing keys
+    capacity = moe.get("capacity_factor")
+    number = isinstance(capacity, (int, float)) and not isinstance(capacity, bool)
+    require(capacity is None or (number and capacity > 0), "model.moe.capacity_factor", capacity,
+            "must be null (no token dropped) or a number > 0")
+    experts = moe.get("num_experts") or 0
+    if not experts:
+        return
+    top_k = moe.get("top_k", 2)
+    require(isinstance(experts, int) and experts >= 1, "model.moe.num_experts", experts, "must be an integer >= 0")
+    require(isinstance(top_k, int) and 1 <= top_k <= experts, "model.moe.top_k", top_k,
+            f"must be between 1 and model.moe.num_experts ({experts})")
+    require(moe.get("router", "softmax") in ("softmax", "sigmoid"), "model.moe.router", moe.get("router"),
+            "choose softmax or sigmoid")
 
 
 class AttachLoss(torch.autograd.Function):

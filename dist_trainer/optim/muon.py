@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim.adam import adam  # AdamW's own functional update (AdamW is Adam with decoupled decay)
 
+from ..config import Config, require
 from ..parallel.tp import count_collectives
 
 # Keller Jordan's quintic: the slope at zero made as large as converges in 5 steps (torch.optim.Muon's too)
@@ -43,6 +44,21 @@ DEFAULT_EXCLUDE = ("*emb*", "*wte*", "*wpe*", "*head.weight")
 COMM_KEYS = ("muon_all_gathers", "muon_all_gather_bytes", "muon_gathers", "muon_gather_bytes", "muon_scatters",
              "muon_scatter_bytes")
 DIST = ("gather", "owner")
+
+
+def check_muon(cfg: Config) -> None:
+    """``optim.muon.*``: Muon's keys, checked whatever optim.name is."""
+    m = cfg.optim.muon
+    require(m.lr > 0, "optim.muon.lr", m.lr, "must be > 0")
+    require(0 <= m.momentum < 1, "optim.muon.momentum", m.momentum, "must be in [0, 1)")
+    require(isinstance(m.ns_steps, int) and 1 <= m.ns_steps < 100, "optim.muon.ns_steps", m.ns_steps,
+            "must be an integer in [1, 100)")
+    require(m.ns_dtype in ("fp32", "bf16"), "optim.muon.ns_dtype", m.ns_dtype, "choose fp32 or bf16")
+    require(m.adjust_lr in ("original", "match_rms_adamw"), "optim.muon.adjust_lr", m.adjust_lr,
+            "choose original or match_rms_adamw")
+    require(isinstance(m.exclude, (list, tuple)) and all(isinstance(x, str) for x in m.exclude),
+            "optim.muon.exclude", m.exclude, "must be a list of name patterns")
+    require(m.dist in ("gather", "owner"), "optim.muon.dist", m.dist, "choose gather or owner")
 
 
 def takes_muon(name: str, param: torch.Tensor, exclude: Sequence[str]) -> bool:

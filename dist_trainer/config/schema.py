@@ -1,0 +1,326 @@
+"""The configuration's schema: the dataclasses Hydra composes ``conf/`` against, their key values, and the small
+pure helpers every layer shares.
+
+This is the ground the project stands on: it imports nothing of dist_trainer. Hydra composes the YAML groups in
+``conf/`` against the dataclasses below (so a misspelled key or a wrong type fails at composition, naming the key).
+The shapes derived from a config (the mesh, the batch plan) are ``config/shapes.py``'s; the checks of each feature
+run above the features, in ``dist_trainer/validation.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-master", "fp16-master", "fp8-rowwise", "fp8-rowwise-gw-hp",
+              "fp8-tensorwise", "fp8-mxfp8")
+
+
+def master_mode(precision: "PrecisionConfig") -> bool:
+    """Whether the precision keeps FP32 masters beside half weights: *-master, and the fp8 modes over bf16 compute
+    (bf16-master's weights with float8 matmuls; over fp32 compute they have FP32 weights only)."""
+    name = precision.name
+    return name.endswith("-master") or (name.startswith("fp8-") and precision.fp8.compute == "bf16")
+
+
+OPTIMIZERS = ("adamw", "sgd", "muon", "adafactor")
+LR_SCALINGS = ("none", "linear", "sqrt")
+SCHEDULES = ("constant", "cosine")
+NONFINITE_POLICIES = ("stop", "skip")
+STRATEGIES = ("ddp", "fsdp")
+ACCUM_SYNCS = ("last", "every")
+RESHARDS = ("micro_batch", "forward", "step")  # what FSDP does; dist.fsdp.reshard=auto becomes one in validate
+# Keys of the data node that the framework owns; they never reach the dataset.
+LOADER_KEYS = ("shuffle", "drop_last", "num_workers", "prefetch_factor")
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names the key."""
+
+
+def require(ok: bool, key: str, value: Any, why: str) -> None:
+    """A ConfigError naming the key and its value unless ``ok``: every check's one form."""
+    if not ok:
+        raise ConfigError(f"{key}={value!r}: {why}")
+
+
+def divisors(n: int) -> List[int]:
+    """The divisors of ``n``, offered in the messages as the values that would fit."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class BatchConfig:
+    # samples per rank per forward/backward; "auto" (CUDA) finds the largest that fits
+    micro_batch_size: Any = 16
+    global_batch_size: Optional[int] = None  # samples per optimizer step, all ranks
+    accum_steps: Optional[int] = None  # micro-batches per optimizer step
+    # The epoch's last step when it holds fewer samples (data.drop_last=false):
+    # "mean" averages over what it holds, like every step; "scaled" also multiplies
+    # its gradient by held / global_batch_size, so every sample of the epoch
+    # weighs the same in the sum of updates.
+    partial_step: str = "mean"
+
+
+@dataclass
+class LossScaleConfig:
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000  # good steps before the scale grows
+    hysteresis: int = 1  # back off on the hysteresis-th overflow since the scale last changed (1: every one)
+    min_scale: float = 1.0  # backing off below this stops training
+
+
+@dataclass
+class Fp8Config:
+    """precision.fp8: the float8 modes' keys (precision=fp8-*; dist_trainer/fp8.py)."""
+
+    filter: Optional[List[str]] = None  # linear name patterns kept in bf16; null: the head and dims not % 16
+    emulate: Any = "auto"  # auto: emulated where there are no float8 matmuls (CPU, GPUs before sm89); true, false
+    pow2_scales: bool = True  # scales rounded to powers of two (split-invariant); false: tensorwise only
+    all_gather: bool = False  # fsdp/hsdp with fp8-tensorwise: FSDP2 gathers the weights in float8 (ddp's scales)
+    # What runs outside the float8 matmuls: bf16 (bf16-master's weights and autocast: each micro-batch's gradients
+    # are rounded to bf16, split-invariant to bf16's rounding) or fp32 (FP32 weights, no autocast: to 1e-7)
+    compute: str = "bf16"
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = "fp32"
+    fp8: Fp8Config = field(default_factory=Fp8Config)
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)  # fp16 modes only
+    debug_overflow: bool = False  # on a skipped step, log parameters with non-finite grads
+
+
+@dataclass
+class MuonConfig:
+    """optim.muon: Muon's keys (optim.name=muon), for the hidden layers' matrices; the rest take AdamW's optim.*."""
+
+    lr: float = 0.02  # before the schedule and batch-size scaling, which it follows as optim.lr does
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5  # Newton-Schulz iterations
+    ns_dtype: str = "fp32"  # fp32 or bf16 (torch.optim.Muon's: faster, not split-invariant)
+    adjust_lr: str = "original"  # original: sqrt(max(1, rows/cols)); match_rms_adamw: 0.2 sqrt(max(rows, cols))
+    # fnmatch patterns of parameter names that take AdamW although 2-D: embeddings, positions, the head
+    exclude: List[str] = field(default_factory=lambda: ["*emb*", "*wte*", "*wpe*", "*head.weight"])
+    # Cut matrices (fsdp, tp): gather (every rank all-gathers each and orthogonalises all) or owner (each gathered
+    # on one rank of its group, orthogonalised there, scattered back: a group-size-th of the iterations a rank)
+    dist: str = "gather"
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 1e-3  # before scaling for the effective batch
+    weight_decay: float = 0.0  # applied to matrices and embeddings only
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    # Adam's eps is added in the FP32 optimizer state (parameters seen by the
+    # optimizer are always FP32), so 1e-8 does not underflow as it would in fp16.
+    eps: float = 1e-8
+    momentum: float = 0.9  # sgd only
+    lr_scaling: str = "none"
+    base_batch_size: Optional[int] = None  # global batch the base lr was tuned for
+    warmup_steps: int = 0  # optimizer updates of linear warmup
+    schedule: str = "constant"
+    min_lr_ratio: float = 0.1  # cosine floor, as a fraction of the peak lr
+    grad_clip: Optional[float] = 1.0  # max global norm of unscaled grads; null disables
+    # null: fused AdamW on CUDA, torch's default elsewhere (the per-parameter loop on CPU);
+    # true/false forces fused on or off (fused on CPU: 3x faster steps, rounding-level differences).
+    fused: Optional[bool] = None
+    muon: MuonConfig = field(default_factory=MuonConfig)
+    # AdamW's moments between steps: fp32 (8 bytes a parameter), bf16 (4; updated in FP32, stored rounded) or int8
+    # (about 2: torchao's block-wise quantised AdamW8bit, for tensors of 4096 elements or more)
+    state_dtype: str = "fp32"
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 300  # optimizer steps (windows), skipped ones included
+    seed: int = 0
+    log_every: int = 10  # console cadence, optimizer steps
+    eval_every: int = 100  # optimizer steps; 0 disables periodic eval
+    eval_batches: int = 10  # micro-batches per rank per evaluation
+    device: str = "auto"  # auto | cpu | cuda
+    ckpt_every: int = 100  # optimizer steps between checkpoints (and one at the end); 0: only at the end
+    keep_checkpoints: int = 3  # newest checkpoints kept
+    keep_every: int = 0  # also keep, never pruned, every checkpoint whose step is a multiple of this; 0: none
+    # Checkpoints but the last are copied into host memory at their step and written by a background
+    # thread while training goes on (checkpoint/background.py); false: every save blocks until sealed.
+    ckpt_async: bool = False
+    # Where checkpoints go: a directory, or an fsspec URL (s3://bucket/prefix; credentials and endpoint from
+    # the environment, as the client reads them). null: the run directory's checkpoints/.
+    ckpt_dir: Optional[str] = None
+    nonfinite: str = "stop"  # fp32/bf16 non-finite gradients: stop or skip the step
+    max_consecutive_skips: int = 10  # with nonfinite=skip
+    # CPU runs on glibc (dist_trainer/hostmem.py): reuse (every freed block kept in the heap: no step
+    # page-faults), bounded (blocks from 1 MiB up returned when freed: a sharded model's steps cannot fragment
+    # the heap past its plan), true (bounded when the model is cut across ranks, else reuse), false (as set).
+    tune_malloc: Any = True
+    # torch.compile the model block by block (dist.blocks), or whole where it declares none
+    compile: bool = False
+
+
+@dataclass
+class FSDPConfig:
+    # last: reduce-scatter once per optimizer step, with the last micro-batch (the unsharded
+    # gradient is kept between micro-batches); every: with every micro-batch (less memory).
+    accum_sync: str = "last"
+    # When a unit's gathered parameters are freed: micro_batch (after each forward and each
+    # backward: 2K all-gathers per unit for K micro-batches), forward (kept from a micro-batch's
+    # forward to its backward: K), step (kept from the step's first forward to its last backward: 1);
+    # auto: micro_batch where the mesh supports it, else forward (pipeline stages), chosen in validate.
+    reshard: str = "auto"
+    # Ranks in one shard group: null (all), "node" (the local world size: shard within a node,
+    # replicate across nodes, i.e. hsdp) or a divisor of the world size.
+    shard_size: Any = None
+    prefetch: int = 1  # units gathered ahead in forward and backward; 0: none (each unit gathered when it runs)
+    reshard_after_forward: Optional[bool] = None  # deprecated: true is reshard=micro_batch, false reshard=forward
+
+
+TP_STYLES = ("colwise", "rowwise", "sequence_parallel", "replicate", "head_norm")
+
+
+@dataclass
+class TPConfig:
+    # Tensor-parallel degree: ranks that cut each layer between them (the innermost mesh dimension:
+    # consecutive ranks, one node's when it divides the node). 1: none.
+    size: int = 1
+    # auto: the model's own plan (the built-in GPT's tp_plan, a Hugging Face model's
+    # base_model_tp_plan); or a mapping of module-name patterns (* matches one name) to a style.
+    plan: Any = "auto"
+    # Norms and dropout on sequence shards between the parallel regions: activations cut by size too.
+    sequence_parallel: bool = True
+    # The cross-entropy on vocabulary shards where the head is column-wise (no gathered logits).
+    loss_parallel: bool = True
+
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+
+
+def pp_v_shape(pp: "PPConfig") -> bool:
+    """Whether the stages are placed in a V (ZBV: zero_bubble with 2 stages a rank), not a loop."""
+    return pp.schedule == "zero_bubble" and pp.stages_per_rank == 2
+
+
+@dataclass
+class PPConfig:
+    # Pipeline stages (the outermost mesh dimension); 1: none. The step's micro-batches
+    # (batch.accum_steps) are the pipeline's.
+    size: int = 1
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zero_bubble
+    # Stages each rank holds: 1 for gpipe and 1f1b; 2 or more for interleaved_1f1b; zero_bubble
+    # with 2 is the V schedule (ZBV), with more the interleaved zero-bubble one.
+    stages_per_rank: int = 1
+    # auto: the blocks cut evenly (the embedding with the first stage, the head and loss with the
+    # last); or the names of the blocks where stages 1, 2, ... begin (e.g. [blocks.2]).
+    split: Any = "auto"
+
+
+@dataclass
+class EPConfig:
+    # Expert-parallel degree (1: none), taken from the data-parallel ranks: each group of this many consecutive
+    # data ranks splits every MoE layer's routed experts between them, tokens reaching them by all-to-all.
+    size: int = 1
+
+
+@dataclass
+class CPConfig:
+    # Context-parallel degree (1: none): each group of this many consecutive data-parallel ranks splits every
+    # sequence's tokens between them (parallel/cp.py); they see the same sequences, their gradients are reduced
+    # with the others' (fsdp shards over them too).
+    size: int = 1
+    method: str = "ring"  # ring: keys and values passed around the group | ulysses: all-to-all of heads
+    layout: str = "zigzag"  # zigzag: chunks r and 2 cp - 1 - r (equal causal work) | contiguous
+
+
+@dataclass
+class DistConfig:
+    strategy: str = "ddp"  # ddp | fsdp
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    tp: TPConfig = field(default_factory=TPConfig)
+    pp: PPConfig = field(default_factory=PPConfig)
+    ep: EPConfig = field(default_factory=EPConfig)
+    cp: CPConfig = field(default_factory=CPConfig)
+    # Class names of the model's repeated blocks (FSDP units, activation checkpointing);
+    # null: what the model declares in _no_split_modules.
+    blocks: Optional[List[str]] = None
+    # fsdp, hsdp, tp, pp: build the model on the meta device and materialise each rank's shards only
+    # (dist_trainer/models/construct.py); false: build it whole on every rank first, then shard it.
+    meta_init: bool = True
+    activation_checkpointing: bool = False
+    sync_batchnorm: bool = False
+    find_unused_parameters: bool = False
+    bucket_cap_mb: Optional[float] = None  # null = DDP's own default
+    # ddp: gradients are views of the all-reduce buckets (one gradient-sized copy less);
+    # always off with find_unused_parameters
+    gradient_as_bucket_view: bool = True
+    # A step (or evaluation, checkpoint) running longer than this is a hang: the run stops in
+    # seconds and names the ranks that did not arrive (health/watchdog.py). auto | seconds | 0 (off)
+    step_timeout_s: Any = "auto"
+    init_timeout_s: int = 1800  # the collectives' timeout until the first step has finished (start-up, loading)
+    timeout_s: int = 1800  # each later collective's timeout
+    check_consistency_every: int = 0  # optimizer steps; 0 disables the cross-rank bit-equality check
+
+
+@dataclass
+class PlanConfig:
+    only: bool = False  # print the plan and exit: no process group, no training
+    world_size: Optional[int] = None  # plan for this many ranks (default: the launch's)
+    nproc_per_node: Optional[int] = None  # ranks per node, for dist.fsdp.shard_size=node (default: the launch's)
+
+
+@dataclass
+class WandbConfig:
+    """logging.wandb.*: null leaves a key to wandb, which reads WANDB_PROJECT, WANDB_ENTITY, ... itself."""
+
+    project: Optional[str] = None
+    entity: Optional[str] = None
+    name: Optional[str] = None  # null: the run directory's name
+    tags: List[str] = field(default_factory=list)
+    group: Optional[str] = None
+    mode: Optional[str] = None  # online | offline | disabled
+
+
+@dataclass
+class MlflowConfig:
+    """logging.mlflow.*: null reads MLFLOW_TRACKING_URI and MLFLOW_EXPERIMENT_NAME."""
+
+    tracking_uri: Optional[str] = None
+    experiment: Optional[str] = None  # null and no MLFLOW_EXPERIMENT_NAME: dist_trainer
+    run_name: Optional[str] = None  # null: the run directory's name
+
+
+@dataclass
+class LoggingConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    hf_model_artifact: bool = False  # also upload hf_model/ at the end (the report's PNGs always go)
+
+
+LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow")
+# The package each tracker needs, and the extra that brings it.
+LOGGER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
+                   "mlflow": ("mlflow", "mlflow")}
+
+
+def logger_names(logger: Any) -> List[str]:
+    """``logger`` as a list: a single name (logger=tensorboard) or a list (logger=[jsonl,wandb]); jsonl always."""
+    names = [logger] if isinstance(logger, str) else list(logger)
+    return ["jsonl"] + [n for n in names if n != "jsonl"]
+
+
+@dataclass
+class Config:
+    model: Dict[str, Any] = field(default_factory=dict)
+    data: Dict[str, Any] = field(default_factory=dict)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    # jsonl (always written), tensorboard, wandb, mlflow: a name or a list, e.g. logger=[jsonl,wandb]
+    logger: Any = "jsonl"
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
