@@ -110,7 +110,7 @@ def predicted_bytes(cfg: Config, plan: BatchPlan, precision: Any) -> Optional[in
     # a pretrained model's shapes without its weights (from_pretrained refuses the meta device)
     weights = {"load_weights": False} if cfg.model.get("pretrained") else {}
     with torch.device("meta"):  # built and cast as the strategy holds it (FakeTensor parameters cannot be cast)
-        model = precision.prepare(instantiate(cfg.model, _convert_="all", **weights))
+        model = precision.prepare(precision.fp32_norms(instantiate(cfg.model, _convert_="all", **weights)))
     if routing_of(model).layers:
         return None
     if cfg.precision.name in fp8.RECIPES:  # what float8 linears keep: their inputs' float8 copies and scales

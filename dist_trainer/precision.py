@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from .config import LossScaleConfig, PrecisionConfig, master_mode
+from .norms import layer_norms_in_fp32
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16,
                    "bf16-master": torch.bfloat16, "fp16-master": torch.float16,
@@ -305,6 +306,12 @@ class Precision:
         if self.autocast_dtype is None:
             return nullcontext()
         return torch.autocast(self.device_type, dtype=self.autocast_dtype)
+
+    def fp32_norms(self, model: nn.Module) -> nn.Module:
+        """Every half mode: the LayerNorms compute in FP32 (norms.FP32LayerNorm), so their parameters' gradients,
+        sums over a micro-batch's tokens, hold FP32's precision at any micro-batch size. Every strategy's model
+        passes here before it is cut or wrapped; fp32 (and float8 over fp32 compute) keep torch's own."""
+        return layer_norms_in_fp32(model) if self.autocast_dtype is not None else model
 
     def prepare(self, model: nn.Module) -> nn.Module:
         """Master modes store parameters in half precision; normalisation layers stay FP32."""

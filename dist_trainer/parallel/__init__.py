@@ -99,6 +99,7 @@ def build_strategy(model: nn.Module, env: DistEnv, cfg: DistConfig, mesh: MeshSh
     Under tensor parallelism (``mesh.tp`` > 1) ddp's replicas are FSDP2's too, with shard groups of one
     data-parallel rank: FSDP2 takes parameters already cut over the tp dimension, DDP does not.
     """
+    precision.fp32_norms(model)  # before any strategy cuts or wraps it: its LayerNorms are FP32LayerNorms
     if mesh.pp > 1:
         from .pp import PipelineStrategy
 
