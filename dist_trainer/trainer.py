@@ -150,10 +150,13 @@ class Trainer:
         # Samples likewise, and once per context-parallel group: its ranks hold parts of the same sequences
         # (their tokens, and so the loss and the items, count on each).
         self.sample_share = float(plan.mesh is None or plan.mesh.counts_samples(env.rank))
-        # Pipeline stages: the strategy's schedule runs the window's forward and backward passes.
-        self.pipeline = getattr(strategy, "run_window", None)
-        # MoE layers' routing statistics and balancing terms (a NoRouting for a dense model).
+        # Pipeline stages: the strategy's schedule runs the window's forward and backward passes (None: the step).
+        staged = hasattr(strategy, "run_window")
+        self.pipeline = self._pipeline_window if staged else None
+        # MoE layers' routing statistics and balancing terms (a NoRouting for a dense model); their counting pass
+        # runs the window's forward passes as the step does.
         self.routing = routing_of(self.module)
+        self.forward_window = self._forward_stages if staged else self._forward_micro_batches
         # Its counts and balancing sums are of this rank's MoE layers (a pipeline stage holds its own only), so
         # they count on one rank of each (stage, data rank) group: the first of its tensor-parallel group.
         self.routing_share = float(plan.mesh is None or env.rank % plan.mesh.tp == 0)
@@ -171,79 +174,85 @@ class Trainer:
         ``busy``: whether this rank's background work (a checkpoint's write) still runs: the outcome says whether
         any rank's does, so that every rank learns that it ended at the same step."""
         strategy, scale = self.strategy, self.precision.scaler.scale
-        began = time.perf_counter()
-        comm0 = {**strategy.comm(), **self.own_comm, **self.optimizer_comm()}
+        began, comm0 = time.perf_counter(), self._comm()
         strategy.track_peak(self.state_mb is None)  # until the step that measures state_mb
         self.weights.zero_grad()
-        self.routing.begin_step(self.env.device)
-        run = self._micro_batches if self.pipeline is None else self._pipeline_window
-        loss_sum, items = run(batches, window, scale)
+        counted = [bool(indices) for indices in window]  # a placeholder micro-batch runs, but counts nowhere
+        self._count_experts(batches, counted)  # MoE's global aux term: the step's expert counts, first
+        if self.pipeline is not None:  # pipeline stages: the schedule runs every micro-batch, the last stage the loss
+            loss_sum, items = self.pipeline(batches, counted)
+        else:
+            loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
+            items = torch.zeros((), dtype=torch.float64, device=self.env.device)
+            for i, (batch, count) in enumerate(zip(batches, counted)):
+                last = i == len(batches) - 1
+                # whether this backward reduces gradients; whether the MoE layers count its tokens
+                with strategy.micro_batch(last), self.routing.micro_batch(count, self.loss_factor):
+                    with self.precision.autocast():
+                        output = self.model(batch)
+                    mb_loss_sum, mb_items = loss_terms(output, batch, count)
+                    if self.loss_divisor is None:  # the run's first micro-batch: its items, averaged over ranks
+                        self.loss_divisor = self._first_divisor(mb_items)
+                    (mb_loss_sum * self.loss_factor()).backward()
+                if not last:
+                    self.weights.accumulate()  # master modes: into the FP32 buffers
+                loss_sum += mb_loss_sum.detach()
+                items += mb_items
+            self.item_form = isinstance(output, Mapping)
         ready = strategy.grads_ready_at()  # when this rank issued its last gradient reduction
         times = (data_time_s, (ready if ready > began else time.perf_counter()) - began)
-        totals = self._reduce_window(loss_sum, items, sum(len(ix) for ix in window), stop_requested, times,
-                                     busy)
-        outcome = self._apply(totals, scale, step)
-        if self.state_mb is None and not outcome.skipped:
+        totals = self._reduce_window(loss_sum, items, sum(len(ix) for ix in window), stop_requested, times, busy)
+        applied = self._apply(totals, scale, step)
+        if self.state_mb is None and not applied["skipped"]:
             self.state_mb, self.step_peak_state_mb = self._measure_state_mb()
             strategy.track_peak(False)
-        comm = {**strategy.comm(), **self.own_comm, **self.optimizer_comm()}
-        outcome.comm = {key: comm[key] - comm0[key] for key in comm}
-        outcome.allreduces = outcome.comm.get("allreduces", 0)
-        outcome.allreduce_bytes = outcome.comm.get("allreduce_bytes", 0)
-        outcome.state_mb, outcome.step_peak_state_mb = self.state_mb, self.step_peak_state_mb
-        outcome.data_times, outcome.compute_times = totals["data_times"], totals["compute_times"]
-        outcome.pp_idle_times, outcome.pp_schedule_times = totals["pp_idle_times"], totals["pp_schedule_times"]
-        outcome.pp_inflight = totals["pp_inflight"]
-        outcome.busy, outcome.moe = totals["busy"], totals["moe"]
-        return outcome
+        return StepOutcome(**totals["outcome"], **applied, **self._comm_since(comm0), item_form=self.item_form,
+                           state_mb=self.state_mb, step_peak_state_mb=self.step_peak_state_mb)
 
-    def _micro_batches(self, batches: List[Any], window: Window, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each micro-batch's forward and backward in turn; the window's summed loss and items (float64)."""
-        model, strategy = self.model, self.strategy
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
-        items = torch.zeros((), dtype=torch.float64, device=self.env.device)
-        if self.routing.needs_prepass(len(window), self.plan.data_ranks):  # the step's expert counts, first
-            self.routing.count_window(self._forward_only, batches, [bool(ix) for ix in window],
-                                      self._reduce_counts, self.env.device)
-        for i, (batch, indices) in enumerate(zip(batches, window)):
-            last = i == len(window) - 1
-            self.routing.counting = bool(indices)  # a placeholder's tokens route, but count nowhere
-            with strategy.micro_batch(last):  # whether this backward reduces gradients
-                with self.precision.autocast():
-                    output = model(batch)
-                self.item_form = isinstance(output, Mapping)
-                mb_loss_sum, mb_items = loss_terms(output, batch, count=bool(indices))
-                if self.loss_divisor is None:
-                    self.loss_divisor = self._first_divisor(mb_items)
-                self.routing.grad_scale = scale / self.loss_divisor  # the balancing terms' share of it
-                (mb_loss_sum * (scale / self.loss_divisor)).backward()
-            if not last:
-                self.weights.accumulate()  # master modes: into the FP32 buffers
-            loss_sum += mb_loss_sum.detach()
-            items += mb_items
-        return loss_sum, items
+    def loss_factor(self) -> float:
+        """What each micro-batch's summed loss is multiplied by before its backward: the loss scale over the
+        divisor, both fixed for the window (the MoE balancing terms' backward takes it too)."""
+        return self.precision.scaler.scale / self.loss_divisor
 
-    def _forward_only(self, batch: Any) -> None:
-        """A micro-batch's forward without gradients, as the step runs it (the MoE counts' pass)."""
-        # evaluation(): under tp the vocabulary-sharded loss; under fsdp nothing left gathered after it
-        with self.strategy.evaluation(), self.precision.autocast():
-            self.model(batch)
+    def _comm(self) -> Dict[str, int]:
+        """Every collective counted so far: the strategy's, the step's own, the optimizer's."""
+        return {**self.strategy.comm(), **self.own_comm, **self.optimizer_comm()}
 
-    def _pipeline_window(self, batches: List[Any], window: Window, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def _comm_since(self, comm0: Dict[str, int]) -> Dict[str, Any]:
+        """The step's collectives, by kind; DDP's gradient all-reduces also on their own."""
+        comm = {key: count - comm0[key] for key, count in self._comm().items()}
+        return {"comm": comm, "allreduces": comm.get("allreduces", 0),
+                "allreduce_bytes": comm.get("allreduce_bytes", 0)}
+
+    def _count_experts(self, batches: List[Any], counted: List[bool]) -> None:
+        """MoE: the step's expert counts start from zero; where the global aux term needs them before the first
+        backward, the window's forward passes run first without gradients to count them, summed over ranks."""
+        self.routing.begin_step(self.env.device)
+        if self.routing.needs_prepass(len(counted), self.plan.data_ranks):
+            self.routing.count_window(lambda: self.forward_window(batches, counted), self._reduce_counts,
+                                      self.env.device)
+
+    def _forward_micro_batches(self, batches: List[Any], counted: List[bool]) -> None:
+        """Each micro-batch's forward without gradients, as the step runs it (the MoE counts' pass)."""
+        for batch, count in zip(batches, counted):
+            # evaluation(): under tp the vocabulary-sharded loss; under fsdp nothing left gathered after it
+            with self.routing.micro_batch(count), self.strategy.evaluation(), self.precision.autocast():
+                self.model(batch)
+
+    def _forward_stages(self, batches: List[Any], counted: List[bool]) -> None:
+        """Pipeline stages: the window forward through them as one (each sets its micro-batches' token masks,
+        placeholders' empty), the MoE counts' pass."""
+        self.strategy.forward_window(batches, counted, self.precision.autocast, self.plan.accum_steps,
+                                     self.plan.micro_batch_size)
+
+    def _pipeline_window(self, batches: List[Any], counted: List[bool]) -> tuple[torch.Tensor, torch.Tensor]:
         """Pipeline stages: the schedule runs every micro-batch's forward and backward, the last stage the loss."""
-        counted = [bool(indices) for indices in window]
-        if self.loss_divisor is None:
+        if self.loss_divisor is None:  # the first micro-batch's items, which every stage knows from its targets
             self.loss_divisor = self._first_divisor(self.strategy.items_of(batches[0]) * float(counted[0]))
         self.item_form = True
-        self.routing.grad_scale = scale / self.loss_divisor  # the balancing terms': each micro-batch loss's factor
-        if self.routing.needs_prepass(len(window), self.plan.data_ranks):  # the step's expert counts, first
-            # The stages run the window as one: each sets its micro-batches' token masks (placeholders' empty).
-            self.routing.count_window(
-                lambda whole: self.strategy.forward_window(whole, counted, self.precision.autocast,
-                                                           self.plan.accum_steps, self.plan.micro_batch_size),
-                [batches], [True], self._reduce_counts, self.env.device)
-        return self.pipeline(batches, counted, scale / self.loss_divisor, self.precision.autocast,
-                             self.plan.accum_steps, self.plan.micro_batch_size)
+        with self.routing.micro_batch(True, self.loss_factor):  # the balancing terms': each micro-batch loss's factor
+            return self.strategy.run_window(batches, counted, self.loss_factor(), self.precision.autocast,
+                                            self.plan.accum_steps, self.plan.micro_batch_size)
 
     def _reduce_counts(self, counts: torch.Tensor) -> None:
         """The counting pass's expert counts summed over ranks, each layer's once per data rank."""
@@ -307,38 +316,39 @@ class Trainer:
         bad_ranks = [r for r in range(world) if values[B + r] > 0]
         # An inf or NaN in any rank's gradients makes the sum non-finite on every rank.
         norm = math.sqrt(values[4]) if math.isfinite(values[4]) else float("nan")
-        return {"loss_sum": values[0], "items": values[1], "samples": int(values[2]),
-                "nonfinite": not math.isfinite(norm) or bool(bad_ranks), "stop": values[3] > 0, "busy": values[5] > 0,
-                "bad_ranks": bad_ranks,
-                "data_times": values[B + world:B + 2 * world], "compute_times": values[B + 2 * world:B + 3 * world],
-                "pp_idle_times": pp[:world], "pp_schedule_times": pp[world:2 * world], "pp_inflight": pp[2 * world:],
-                "moe": self.routing.take_totals(values[own:], values[1]),
-                "raw_norm": norm}  # norm of the grads as they stand: scaled, not yet normalised
+        loss_sum, items = values[0], values[1]
+        return {"items": items, "samples": int(values[2]),
+                "nonfinite": not math.isfinite(norm) or bool(bad_ranks), "bad_ranks": bad_ranks,
+                "raw_norm": norm,  # norm of the grads as they stand: scaled, not yet normalised
+                # what the step's outcome reports of them, by StepOutcome's names
+                "outcome": {"loss": loss_sum / items if items > 0 else float("nan"), "items": int(items),
+                            "samples": int(values[2]), "stop_requested": values[3] > 0, "busy": values[5] > 0,
+                            "data_times": values[B + world:B + 2 * world],
+                            "compute_times": values[B + 2 * world:B + 3 * world],
+                            "pp_idle_times": pp[:world], "pp_schedule_times": pp[world:2 * world],
+                            "pp_inflight": pp[2 * world:], "moe": self.routing.take_totals(values[own:], items)}}
 
-    def _apply(self, totals: dict, scale: float, step: int) -> StepOutcome:
+    def _apply(self, totals: dict, scale: float, step: int) -> Dict[str, Any]:
+        """Skip, or normalise, clip and step; what the outcome reports of it, by StepOutcome's names."""
         lr = lr_at(self.updates, self.plan.lr, self.optim_cfg, self.plan.max_steps)
         items = totals["items"]
-        loss = totals["loss_sum"] / items if items > 0 else float("nan")
         divisor = self.loss_divisor  # the one this step's losses were divided by
         # The next step's: items of an average micro-batch of this one, if it was a full
         # step. A short last step (1 sample, say) would shrink it and make the next full
         # step's scaled losses overflow fp16, skipping that step and halving the scale.
         if items > 0 and totals["samples"] == self.plan.global_batch_size:
             self.loss_divisor = items / (self.plan.data_ranks * self.plan.accum_steps)
-        outcome = StepOutcome(loss, int(items), totals["samples"], lr,
-                              scale if self.precision.scaler.dynamic else None, None, True,
-                              self.item_form, totals["stop"], 0, 0)
+        outcome = {"lr": lr, "loss_scale": scale if self.precision.scaler.dynamic else None, "grad_norm": None,
+                   "skipped": True}
         if totals["nonfinite"]:
             self.skipped_total += 1
-            outcome.skip_reason = "nonfinite"
             self._skip(totals, step)
-            return outcome
+            return {**outcome, "skip_reason": "nonfinite"}
         if items <= 0:  # e.g. every target of the step ignored: nothing to average, nothing overflowed
             self.skipped_total += 1
-            outcome.skip_reason = "no_items"
             self.weights.zero_grad()
             log.warning("step %d holds no items to learn from (every target ignored?); nothing was updated", step)
-            return outcome
+            return {**outcome, "skip_reason": "no_items"}
         # The reduction averaged over the data-parallel ranks (their cp ranks too); undo that, the loss scale
         # and the divisor, and divide by the true item count of the whole step: one multiply.
         grad_ranks = self.plan.data_ranks if self.plan.mesh is None else self.plan.mesh.grad_ranks
@@ -358,8 +368,7 @@ class Trainer:
         self.updates += 1
         self.consecutive_skips = 0
         self.precision.scaler.update(found_inf=False, step=step)
-        outcome.grad_norm, outcome.skipped = grad_norm, False
-        return outcome
+        return {**outcome, "grad_norm": grad_norm, "skipped": False}
 
     def consistency_tensors(self) -> List[tuple[str, torch.Tensor]]:
         """What must be bit-identical on every rank (the strategy knows what is replicated)."""

@@ -297,8 +297,9 @@ class ExpertParallel:
         return rest, norms * self.norm_share
 
 
-def apply_ep(model: nn.Module, mesh: MeshShape, rank: int, device_type: str, sharded: bool = False) -> Any:
+def apply_ep(model: nn.Module, mesh: MeshShape, rank: int, device_type: str, sharded: bool = False,
+             check: bool = True) -> Any:
     """Expert parallelism on ``model`` (before activation checkpointing, compile and wrapping), or a
     ``NoExperts`` where ``mesh.ep`` is 1. ``sharded``: the experts FSDP's over the edp ranks
-    (``MeshShape.shards_experts``, for fsdp)."""
-    return ExpertParallel(model, mesh, rank, device_type, sharded=sharded) if mesh.ep > 1 else NoExperts()
+    (``MeshShape.shards_experts``, for fsdp). ``check=False``: ``check_ep`` passed on the whole model already."""
+    return ExpertParallel(model, mesh, rank, device_type, check=check, sharded=sharded) if mesh.ep > 1 else NoExperts()

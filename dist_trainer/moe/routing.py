@@ -23,8 +23,9 @@ and placeholder micro-batches, count nowhere.
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, List, Mapping, Optional, Sequence
+from typing import Any, Callable, ContextManager, Iterator, List, Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,11 @@ from ..config import Config, ConfigError, require
 from ..recompute import recomputing
 
 SCOPES = ("global", "sequence", "micro_batch")
+NO_CONTEXT = nullcontext()  # a dense model's micro-batch context: reused, nothing to enter
+
+
+def unit_factor() -> float:
+    return 1.0
 
 
 @dataclass(frozen=True)
@@ -83,7 +89,7 @@ def check_moe(cfg: Config) -> None:
 class AttachLoss(torch.autograd.Function):
     """Returns ``out`` unchanged; in backward, gives ``loss`` the gradient the trainer gives a loss sum.
 
-    The factor is read from ``routing`` when backward runs (the trainer sets it before each backward)."""
+    The factor is read from ``routing`` when backward runs (``Routing.micro_batch`` says where from)."""
 
     @staticmethod
     def forward(ctx: Any, out: torch.Tensor, loss: torch.Tensor, routing: "Routing") -> torch.Tensor:
@@ -92,22 +98,23 @@ class AttachLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return grad, torch.full((), ctx.routing.grad_scale, dtype=ctx.dtype, device=grad.device), None
+        return grad, torch.full((), ctx.routing.loss_factor(), dtype=ctx.dtype, device=grad.device), None
 
 
 class Routing:
     """One per model, shared by its MoE layers (each registers and gets its index).
 
-    Per step: ``begin_step``; per micro-batch the model sets ``token_mask`` and the trainer ``counting`` and
-    ``grad_scale``; at the step's all-reduce ``local_stats`` goes in and ``take_totals`` reads the sums; after
-    an applied update ``after_update`` moves the selection biases."""
+    Per step: ``begin_step`` (and ``count_window``); each micro-batch runs in its ``micro_batch`` context, and
+    the model sets its ``token_mask``; at the step's all-reduce ``local_stats`` goes in and ``take_totals`` reads
+    the sums; after an applied update ``after_update`` moves the selection biases."""
 
     def __init__(self, cfg: BalanceConfig) -> None:
         self.cfg = cfg
         self.layers: List[Any] = []  # the MoE layers, in construction order
         self.token_mask: Optional[torch.Tensor] = None  # bool, the micro-batch's positions that count
         self.counting = True  # False for a placeholder micro-batch
-        self.grad_scale = 1.0  # what the step multiplies a micro-batch's loss sum by before its backward
+        # What the step multiplies a micro-batch's loss sum by before its backward (its balancing terms' factor)
+        self.loss_factor: Callable[[], float] = unit_factor
         self.window_counts: Optional[torch.Tensor] = None  # float64 [L, E]: the step's counts, all ranks
         self.prepass = False
         self.totals: dict = {}  # the last step's, summed over ranks (take_totals)
@@ -129,15 +136,27 @@ class Routing:
         """Whether the global term needs the step's counts before its first backward."""
         return self.cfg.aux_coef > 0 and self.cfg.aux_scope == "global" and micro_batches * data_ranks > 1
 
+    @contextmanager
+    def micro_batch(self, counted: bool, loss_factor: Callable[[], float] = unit_factor) -> Iterator[None]:
+        """The context of one micro-batch's forward and backward: whether its tokens count (a placeholder's route,
+        but count nowhere), and where its balancing terms' backward reads the factor the step gives its loss sum
+        (read when the backward runs: the run's first factor is known only after its first forward)."""
+        self.counting, self.loss_factor = counted, loss_factor
+        try:
+            yield
+        finally:
+            self.counting, self.loss_factor = True, unit_factor
+
     def begin_step(self, device: torch.device) -> None:
         self._counts = torch.zeros(len(self.layers), self.num_experts, dtype=torch.float64, device=device)
         self._terms = torch.zeros(2, dtype=torch.float64, device=device)
         self._dropped = [0] * len(self.layers)
         self.window_counts, self.counting = None, True
 
-    def count_window(self, forward: Callable[[Any], Any], batches: Sequence[Any], counted: Sequence[bool],
-                     all_reduce: Callable[[torch.Tensor], None], device: torch.device) -> None:
-        """The step's expert counts, every micro-batch and rank, from forward passes without gradients.
+    def count_window(self, forward: Callable[[], Any], all_reduce: Callable[[torch.Tensor], None],
+                     device: torch.device) -> None:
+        """The step's expert counts, every micro-batch and rank, from ``forward``: the window's forward passes
+        (each micro-batch in its ``micro_batch`` context), run here without gradients.
 
         The generators are put back afterwards, so the step's own forward passes draw the same dropout."""
         counts = torch.zeros(len(self.layers), self.num_experts, dtype=torch.float64, device=device)
@@ -146,11 +165,9 @@ class Routing:
         cuda = [device] if device.type == "cuda" else []
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=cuda):
-                for batch, count in zip(batches, counted):
-                    self.counting = count
-                    forward(batch)
+                forward()
         finally:
-            self.prepass, self._counts, self.counting = False, saved, True
+            self.prepass, self._counts = False, saved
         all_reduce(counts)
         self.window_counts = counts
 
@@ -251,10 +268,12 @@ class NoRouting:
     layers: List[Any] = []
     totals: dict = {}
     counting = True
-    grad_scale = 1.0
 
     def needs_prepass(self, micro_batches: int, data_ranks: int) -> bool:
         return False
+
+    def micro_batch(self, counted: bool, loss_factor: Callable[[], float] = unit_factor) -> ContextManager:
+        return NO_CONTEXT
 
     def begin_step(self, device: torch.device) -> None:
         pass

@@ -5,6 +5,7 @@ The tree, top to bottom (nothing imports what is above it)::
     parallel/__init__.py   the Strategy protocol and build_strategy
     pp.py                  pipeline stages, each an FSDP2 root, run by torch's schedules
     ddp.py, fsdp.py        DistributedDataParallel; FSDP2 flat (fsdp) or hybrid (hsdp)
+    parallelize.py         tp, cp, ep, activation checkpointing and compile, in one order, for every strategy
     cp.py                  context parallelism: each sequence's tokens over a cp group, ring or ulysses attention
     sync_batchnorm.py      BatchNorm statistics over all ranks (ddp)
     blocks.py, state.py    the model's blocks (sharding, activation checkpointing, compile);
@@ -14,10 +15,11 @@ The tree, top to bottom (nothing imports what is above it)::
     dcp.py                 sharded checkpoints through DCP (fsdp, hsdp, and ddp's expert slices)
     consistency.py         dist.check_consistency_every
 
-Each strategy transforms the model in one order (torchtitan's ``parallelize``): tp, then context parallelism
-(``cp.apply_cp``: the batch cut to this rank's positions, the attention exchanged), then expert parallelism
-(``moe.ep.apply_ep``: the experts cut over ``dist.ep.size`` data ranks, their gradients reduced by it, outside
-DDP and FSDP), then activation checkpointing and compile per block, then DDP or FSDP.
+Each strategy calls ``parallelize.parallelize`` once, which transforms the model in one order (torchtitan's):
+tp, then context parallelism (``cp.apply_cp``: the batch cut to this rank's positions, the attention exchanged),
+then expert parallelism (``moe.ep.apply_ep``: the experts cut over ``dist.ep.size`` data ranks, their gradients
+reduced by it, outside DDP and FSDP), then activation checkpointing and compile per block; the strategy then
+wraps the result in DDP, FSDP or pipeline stages.
 
 A strategy is chosen once, at build time, on the mesh ``validate`` derived
 (``config.MeshShape``), and answers the few questions the optimizer step asks,

@@ -21,11 +21,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..config import DistConfig, MeshShape
 from ..distributed import DistEnv
 from ..precision import MasterWeights, ModelWeights, Precision, frozen_names
-from ..moe.ep import apply_ep
-from .blocks import prepare_blocks
-from .cp import apply_cp
 from .comm import COMM_KEYS
 from .dcp import dcp_checkpoint_state, dcp_load_checkpoint_state
+from .parallelize import parallelize
 from .state import WholeTensors, indexed_optimizer_state, optimizer_param_names, parameter_ties, state_of
 
 ReduceBucket = Callable[[dist.GradBucket, Optional[dist.ProcessGroup]], torch.futures.Future]
@@ -94,11 +92,9 @@ class DDPStrategy:
     def __init__(self, model: nn.Module, env: DistEnv, cfg: DistConfig, mesh: MeshShape, precision: Precision,
                  compile: bool = False):
         precision.prepare(model)  # master modes: half parameters, FP32 norm layers
-        # torchtitan's order: context parallelism's attention, expert parallelism, then checkpointing and
-        # compile per block, then the wrapper.
-        self.cp = apply_cp(model.to(env.device), mesh, cfg.cp, env.rank, env.device.type)
-        self.ep = apply_ep(model, mesh, env.rank, env.device.type)
-        prepare_blocks(model, cfg.blocks, cfg.activation_checkpointing, compile)  # before DDP's hooks
+        # cp, ep, checkpointing and compile per block (no tp: tp's meshes are FSDP2's), then DDP's hooks.
+        applied = parallelize(model.to(env.device), mesh, cfg, env, compile=compile)
+        self.cp, self.ep = applied.cp, applied.ep
         if self.ep.params:
             # An expert slice is not replicated over the ranks: DDP must neither broadcast nor all-reduce it
             # (ExpertParallel reduces it over its edp group). This static method is how torch's own composites

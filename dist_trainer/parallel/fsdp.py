@@ -53,14 +53,12 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGath
 
 from ..config import DistConfig, MeshShape
 from ..distributed import DistEnv
-from ..moe.ep import apply_ep
 from ..precision import Precision
-from .blocks import find_blocks, prepare_blocks
-from .cp import apply_cp
 from .comm import COMM_KEYS
 from .dcp import checkpointed, dcp_checkpoint_state, dcp_load_checkpoint_state  # noqa: F401 (pp imports it here)
+from .parallelize import parallelize
 from .state import WholeTensors, local_tensor, parameter_ties
-from .tp import apply_tp, tp_sharded
+from .tp import tp_sharded
 
 
 def _param_groups(unit: FSDPModule) -> list:
@@ -257,14 +255,10 @@ class FSDPStrategy:
                  compile: bool = False, materialise: Optional[Callable[[nn.Module], None]] = None):
         model = model if materialise is not None else model.to(env.device)  # a meta model: its shards, below
         dmesh, tp_mesh = device_mesh(mesh, env.device.type)
-        # torchtitan's order: tensor parallelism, then checkpointing and compile per block, then fully_shard.
-        self.tp = (apply_tp(model, tp_mesh, cfg.tp, find_blocks(model, cfg.blocks), count=not compile)
-                   if tp_mesh is not None else None)
-        # Then context parallelism's attention over the cp group (parallel/cp.py), and expert parallelism: its
-        # slices cut over each ep group, and again over the edp ranks as FSDP units of their own (moe/ep.py).
-        self.cp = apply_cp(model, mesh, cfg.cp, env.rank, env.device.type)
-        self.ep = apply_ep(model, mesh, env.rank, env.device.type, sharded=mesh.shards_experts)
-        blocks = prepare_blocks(model, cfg.blocks, cfg.activation_checkpointing, compile)  # before fully_shard
+        # tp, cp, ep, checkpointing and compile per block (parallelize.py), then fully_shard. The experts' slices
+        # are cut again over their edp ranks, as FSDP units of their own (moe/ep.py).
+        applied = parallelize(model, mesh, cfg, env, tp_mesh, compile, sharded_experts=mesh.shards_experts)
+        self.tp, self.cp, self.ep, blocks = applied.tp, applied.cp, applied.ep, applied.blocks
         self.mesh, self.device = mesh, env.device
         policy = mp_policy(precision)
         self.reshard = cfg.fsdp.reshard

@@ -52,14 +52,13 @@ from ..checkpoint import load_shards
 from ..config import ConfigError, DistConfig, MeshShape
 from ..distributed import DistEnv
 from ..moe import routing_of
-from ..moe.ep import ExpertParallel, NoExperts, check_ep
 from ..optim import decay_split
 from ..precision import Precision, frozen_names
-from .blocks import find_blocks, prepare_blocks
-from .cp import apply_cp
+from .blocks import find_blocks
 from .fsdp import FSDPStrategy, PeakMeter, ShardedWeights, checkpointed, count_units, mp_policy
+from .parallelize import parallelize
 from .state import WholeTensors, local_tensor, named_optimizer_state, parameter_ties
-from .tp import apply_tp, tp_sharded
+from .tp import tp_sharded
 
 P2P_KEYS = ("p2p_sends", "p2p_send_bytes", "p2p_recvs", "p2p_recv_bytes")
 # What a model declares to be cut into stages (models.GPT; models.hf.HFModel for decoders laid out as Llama's).
@@ -130,6 +129,19 @@ def untie_across(model: nn.Module, first: Sequence[str], last: Sequence[str]) ->
             setattr(module, attr, nn.Parameter(getattr(module, attr).detach().clone()))
             ties.append((a[0], name))
     return ties
+
+
+def prune_stages(model: nn.Module, names: Sequence[str], held: set, first: bool, last: bool) -> None:
+    """Delete the blocks (``names``, by index) this rank does not hold, and the first and last stages' own modules
+    where it holds neither; the names of what is left stay the whole model's."""
+    for i, name in enumerate(names):
+        if i not in held:
+            parent, _, child = name.rpartition(".")
+            del model.get_submodule(parent)._modules[child]
+    for keep, parts in ((first, model.pp_first), (last, model.pp_last)):
+        for part in parts if not keep else ():
+            parent, _, child = part.rpartition(".")
+            delattr(model.get_submodule(parent), child)
 
 
 class StageModule(nn.Module):
@@ -401,35 +413,25 @@ class PipelineStrategy(FSDPStrategy):
         name_of = {p: n for n, p in model.named_parameters()}
         self.whole_names = [name_of[p] for group in decay_split([p for p in name_of if p.requires_grad])
                             for p in group]
-        # Tensor parallelism cuts the whole model first (its plan names every block), then the stages are cut
-        # from it; a tie across stages is cut alike on both sides (the embedding by rows, the head by rows).
-        self.tp = apply_tp(model, tp_mesh, cfg.tp, blocks) if tp_mesh is not None else None
-        self.sequence_shards = mesh.tp if self.tp is not None and cfg.tp.sequence_parallel else 1
-        if mesh.ep > 1:  # on the whole model, alike on every rank, before each keeps its stages
-            check_ep(model, mesh)
-        self.ties = untie_across(model, model.pp_first, model.pp_last)
         self.width, self.vocab = model.stage_dims()
         # model.loss.chunked: the last stage returns its micro-batch's summed loss, never the logits
         self.chunked_loss = bool(getattr(getattr(model, "loss_options", None), "chunked", False))
         self.stream_dtype = precision.param_dtype or torch.float32  # what stages send: activations, their grads
         self.stream_shape: Tuple[int, ...] = ()  # micro-batch rows x tokens (a tp rank's shard) x width, built
-        first, last = 0 in self.stage_ids, stages - 1 in self.stage_ids
         held = {i for s in self.stage_ids for i in cuts[s]}
-        for i, name in enumerate(names):  # prune what this rank does not hold; names stay the whole model's
-            if i not in held:
-                parent, _, child = name.rpartition(".")
-                del model.get_submodule(parent)._modules[child]
-        for keep, parts in ((first, model.pp_first), (last, model.pp_last)):
-            for part in parts if not keep else ():
-                parent, _, child = part.rpartition(".")
-                delattr(model.get_submodule(parent), child)
-        # Expert parallelism on this rank's stages: their experts cut over the stage group's ep ranks, left out of
-        # FSDP (ignored_params), their gradients reduced over the edp ranks after the schedule.
-        self.ep = (ExpertParallel(model, mesh, env.rank, env.device.type, check=False) if mesh.ep > 1
-                   else NoExperts())
-        # Context parallelism on this rank's stages' attention; each window's micro-batches are cut in _window.
-        self.cp = apply_cp(model, mesh, cfg.cp, env.rank, env.device.type)
-        held_blocks = prepare_blocks(model, cfg.blocks, cfg.activation_checkpointing, False)  # this rank's blocks
+
+        def keep_stages(model: nn.Module) -> None:
+            # Tensor parallelism cut the whole model (its plan names every block), and the stages are cut from it:
+            # a tie across stages is cut alike on both sides (the embedding by rows, the head by rows).
+            self.ties = untie_across(model, model.pp_first, model.pp_last)
+            prune_stages(model, names, held, 0 in self.stage_ids, stages - 1 in self.stage_ids)
+
+        # tp on the whole model, then this rank's stages kept, then on them cp (each window's micro-batches are cut
+        # in _window), ep (the experts cut over the stage group's ep ranks, left out of FSDP, their gradients
+        # reduced over the edp ranks after the schedule) and checkpointing; compile is refused (checks.py).
+        applied = parallelize(model, mesh, cfg, env, tp_mesh, compile, keep_stages=keep_stages)
+        self.tp, self.cp, self.ep, held_blocks = applied.tp, applied.cp, applied.ep, applied.blocks
+        self.sequence_shards = mesh.tp if self.tp is not None and cfg.tp.sequence_parallel else 1
         self.views = [StageModule(model, s, [b for i, b in enumerate(blocks) if i in cuts[s]], s == 0,
                                   s == stages - 1) for s in self.stage_ids]
         policy = mp_policy(precision)
