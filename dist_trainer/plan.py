@@ -97,19 +97,6 @@ def fsdp_units(model: nn.Module, blocks: List[nn.Module], skip: Optional[set] = 
     return units
 
 
-def unit_shard_bytes(cfg: Config, model: nn.Module, precision: Precision, shard: int,
-                     skip: Optional[set] = None) -> List[Tuple[int, int]]:
-    """(gathered, gradient) bytes of one rank's padded shard of each FSDP unit: each block's, then the root's.
-
-    Gathered in the compute dtype (half in master modes), gradients reduced in
-    FP32 (trainable parameters only); a root with every parameter in blocks is (0, 0).
-    Under tp, of what this rank holds of each parameter.
-    """
-    cut, float8 = local_shapes(model, cfg.dist.tp), gathered_in_float8(model, cfg.precision)
-    return [unit_bytes(unit, shard, precision, cut, float8)
-            for unit in fsdp_units(model, find_blocks(model, cfg.dist.blocks), skip)]
-
-
 def unit_bytes(unit: List[torch.Tensor], shard: int, precision: Precision,
                cut: Optional[Dict[int, torch.Size]] = None, float8: Collection[int] = ()) -> Tuple[int, int]:
     """(gathered, gradient) bytes of one rank's padded shard of one FSDP unit (``cut``: the tp shapes;
@@ -144,55 +131,6 @@ def step_stats_bytes(world_size: int, pipeline: bool = False) -> int:
     per rank a non-finite flag, its data wait and its compute time (pipeline stages: its idle and schedule
     seconds and its micro-batches in flight too)."""
     return (STEP_FIXED_SLOTS + (6 if pipeline else 3) * world_size) * 8
-
-
-def expected_comm(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision) -> Dict[str, int]:
-    """Calls and bytes of every collective of one full optimizer step after the first, by metrics key.
-
-    ddp: one all-reduce per bucket (bytes as the hook sends them). fsdp/hsdp, per
-    unit with parameters, for K micro-batches: all-gathers 2K (reshard=micro_batch),
-    K (forward) or 1 (step), of the gathered, padded unit in the compute dtype;
-    reduce-scatters 1 (accum_sync=last) or K (every) of its padded FP32 gradient;
-    hsdp adds one all-reduce across replicas of its FP32 gradient shard. A shard
-    group of one rank gathers and scatters nothing. The step's own all-reduce of
-    totals and flags (float64) is named apart.
-    """
-    mesh: MeshShape = plan.mesh
-    counts = dict.fromkeys(COMM_KEYS, 0)
-    accum = plan.accum_steps
-    skip = {id(p) for p in ep_experts(plan, model)}  # expert slices: neither DDP's nor FSDP's
-    if not sharded_by_fsdp(cfg):
-        params = [p for p in model.parameters() if p.requires_grad and id(p) not in skip]
-        sent = precision.weights_type.sent_element_size  # master modes send FP32 copies of half buckets
-        buckets = expected_buckets(params, cfg.dist.bucket_cap_mb)
-        counts["allreduces"] = len(buckets)
-        counts["allreduce_bytes"] = sum(n * (sent or dtype.itemsize) for dtype, n in buckets)
-    else:
-        gathers = {"micro_batch": 2 * accum, "forward": accum, "step": 1}[cfg.dist.fsdp.reshard]
-        if cfg.dist.fsdp.reshard == "micro_batch" and routing_of(model).needs_prepass(accum, plan.data_ranks):
-            gathers += accum  # the MoE counts' pass: a forward more per micro-batch, each unit gathered anew
-        scatters = 1 if cfg.dist.fsdp.accum_sync == "last" else accum
-        for gathered, grad in unit_shard_bytes(cfg, model, precision, mesh.shard, skip):
-            add_unit_comm(counts, mesh, gathered, grad, gathers, scatters)
-        edp = replace(mesh, replicate=1, shard=mesh.expert_data_ranks)  # a 1-D mesh of the edp ranks
-        for gathered, grad in expert_unit_bytes(plan, model, precision):
-            add_unit_comm(counts, edp, gathered, grad, gathers, scatters)
-    if mesh.ep > 1:
-        counts.update(ep_comm(cfg, plan, model, counts))
-    if mesh.cp > 1:  # attention's exchanges over each cp group, counted apart
-        counts.update(cp_comm(cfg, plan, model, precision))
-    if mesh.tp > 1:  # the activations' collectives, counted apart and in the totals
-        tp = tp_comm(cfg, plan, model, precision, tokens=_rank_tokens(cfg, plan, model))
-        counts.update(tp)
-        for key, value in tp.items():
-            counts[key[len("tp_"):]] += value
-        counts.update(fp8_amax_comm(cfg, plan, model, _micro_batch_tokens(cfg, plan, model)))
-    counts["step_allreduces"] = 1
-    counts["step_allreduce_bytes"] = step_stats_bytes(mesh.world_size)
-    counts.update(moe_step_allreduces(plan, model, counts))
-    counts.update(muon_comm(cfg, mesh, model))
-    counts.update(fp8_scale_comm(model, cfg))
-    return counts
 
 
 def fp8_amax_comm(cfg: Config, plan: BatchPlan, model: nn.Module, tokens: int,
@@ -338,14 +276,14 @@ def ep_experts(plan: BatchPlan, model: nn.Module) -> List[torch.Tensor]:
     return expert_params(model) if plan.mesh.ep > 1 else []
 
 
-def expert_unit_bytes(plan: BatchPlan, model: nn.Module, precision: Precision) -> List[Tuple[int, int]]:
+def expert_unit_bytes(plan: BatchPlan, layers: List[nn.Module], precision: Precision) -> List[Tuple[int, int]]:
     """(gathered, gradient) bytes of one rank's padded shard of each MoE layer's experts unit (FSDP over edp, of
     the 1/ep slice), where the experts are sharded; none otherwise."""
     if not plan.mesh.shards_experts:
         return []
     mesh = plan.mesh
     return [unit_bytes(params, mesh.expert_data_ranks, precision, {id(p): _slice(p, mesh.ep) for p in params})
-            for params in ([layer.experts.gate_up_proj, layer.experts.down_proj] for layer in moe_layers(model))]
+            for params in ([layer.experts.gate_up_proj, layer.experts.down_proj] for layer in layers)]
 
 
 def expert_allreduce_bytes(experts: List[torch.Tensor], ep: int) -> int:
@@ -363,19 +301,6 @@ def ep_forwards(cfg: Config, plan: BatchPlan, model: nn.Module) -> int:
     accum = plan.accum_steps
     prepass = routing_of(model).needs_prepass(accum, plan.data_ranks)
     return accum * (1 + int(prepass) + int(cfg.dist.activation_checkpointing))
-
-
-def ep_comm(cfg: Config, plan: BatchPlan, model: nn.Module, counts: Dict[str, int]) -> Dict[str, int]:
-    """Expert parallelism's collectives in a step: each MoE layer's all-to-alls (``moe.ep``: 3 a forward, 2 a
-    backward), exactly; the experts' one gradient all-reduce over the edp ranks (where there are several), of
-    this rank's FP32 slices. Their bytes depend on the routing: ``ep_all_to_all_bytes_max`` bounds them."""
-    mesh, layers = plan.mesh, len(moe_layers(model))
-    out = {"all_to_alls": layers * (ep_forwards(cfg, plan, model) * FORWARD_ALL_TO_ALLS
-                                    + plan.accum_steps * BACKWARD_ALL_TO_ALLS)}
-    if mesh.expert_data_ranks > 1 and not mesh.shards_experts:  # sharded: FSDP's reduce-scatters over edp
-        out["allreduces"] = counts["allreduces"] + 1
-        out["allreduce_bytes"] = counts["allreduce_bytes"] + expert_allreduce_bytes(ep_experts(plan, model), mesh.ep)
-    return out
 
 
 def ep_all_to_all_bytes_max(cfg: Config, plan: BatchPlan, model: nn.Module) -> int:
@@ -403,6 +328,25 @@ def ep_all_to_all_bytes_balanced(cfg: Config, plan: BatchPlan, model: nn.Module)
     return total
 
 
+def stage_groups(cfg: Config, plan: BatchPlan, model: nn.Module) -> List[Dict[str, Any]]:
+    """What each stage group (pp rank) holds, the one path every number is built on: its stages and their blocks,
+    the parameters of each FSDP unit (``units``, the experts left out), the parameters it steps (``trained``,
+    the experts left out; without stages in the model's order, DDP's buckets follow it), its expert slices and MoE layers, and the modules (``modules``: a
+    predicate on names) and attention layers (``attention``) whose collectives it issues (None: the model's all).
+    Without pipeline stages one group holds the whole model: each block's unit, then the root's (the rest)."""
+    if plan.mesh.pp > 1:
+        return pp_stage_groups(cfg, model)
+    experts = ep_experts(plan, model)
+    skip = {id(p) for p in experts}
+    units = fsdp_units(model, find_blocks(model, cfg.dist.blocks), skip)
+    return [{"stages": [0], "blocks": None, "units": units, "unit_stages": [0] * len(units), "first": True,
+             "last": True, "moe": moe_layers(model), "experts": experts, "modules": None, "attention": None,
+             "trained": [p for p in model.parameters() if p.requires_grad and id(p) not in skip],
+             # a checkpoint copies every trainable parameter (expert slices whole) and the buffers
+             "staged": [p for p in model.parameters() if p.requires_grad],
+             "buffer_bytes": persistent_buffer_bytes(model), "holds": list(model.parameters())}]
+
+
 def pp_stage_groups(cfg: Config, model: nn.Module) -> List[Dict[str, Any]]:
     """Per stage group (pp rank): its stages, their blocks, and the parameters of each FSDP unit it holds
     (each held block's, then each stage's root: the first stage's embedding, the last's norm and head, a tied
@@ -424,31 +368,156 @@ def pp_stage_groups(cfg: Config, model: nn.Module) -> List[Dict[str, Any]]:
         own = [blocks[i] for s in held for i in cuts[s]]
         units = [[p for p in block.parameters() if id(p) not in experts] for block in own]
         unit_stages = [s for s in held for _ in cuts[s]]
+        first, last = 0 in held, stages - 1 in held
         for s in held:
             roots = (list(model.pp_first) if s == 0 else []) + (list(model.pp_last) if s == stages - 1 else [])
             units.append([p for n in roots for p in model.get_submodule(n).parameters()])
             unit_stages.append(s)
+        own_names = [block_names[i] for s in held for i in cuts[s]]
+        roots = own_names + (list(model.pp_first) if first else []) + (list(model.pp_last) if last else [])
+        # a weight tied across the first and last stages is two tensors where one group holds both (the V's 0)
+        trained = [p for unit in units for p in unit if p.requires_grad]
         groups.append({"stages": held, "blocks": [[block_names[i] for i in cuts[s]] for s in held],
-                       "units": units, "unit_stages": unit_stages, "first": 0 in held, "last": stages - 1 in held,
-                       "moe_layers": sum(len(moe_layers(b)) for b in own),
-                       "experts": [p for b in own for p in b.parameters() if id(p) in experts]})
+                       "units": units, "unit_stages": unit_stages, "first": first, "last": last,
+                       "moe": [m for b in own for m in moe_layers(b)],
+                       "experts": [p for b in own for p in b.parameters() if id(p) in experts],
+                       "modules": lambda name, roots=roots: any(name == r or name.startswith(r + ".") for r in roots),
+                       "attention": [m for m in model.context_modules()
+                                     if any(names[id(m)].startswith(b + ".") for b in own_names)]
+                       if hasattr(model, "context_modules") else None,
+                       "trained": trained, "staged": trained, "buffer_bytes": 0,
+                       "holds": [p for unit in units for p in unit]})
     return groups
 
 
-def pp_expected(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision) -> List[Dict[str, Any]]:
-    """Each stage group's full step: FSDP's collectives per unit (gathered once a step: torch's stages keep a
-    unit gathered through backward; one reduce-scatter, one replica all-reduce), the tied weight's all-reduce
-    between the first and last stage groups, the sends and receives of activations and their gradients, the
-    step's own all-reduce; and its state_mb."""
+def unit_collectives(cfg: Config, plan: BatchPlan, model: nn.Module) -> Tuple[int, int]:
+    """All-gathers and reduce-scatters of each FSDP unit in a step. Pipeline stages keep a unit gathered through
+    backward: one gather a forward (the MoE counts' pass adds one), one reduce-scatter. Otherwise, for K
+    micro-batches: gathers 2K (reshard=micro_batch, plus K for the MoE counts' pass), K (forward) or 1 (step);
+    reduce-scatters 1 (accum_sync=last) or K (every)."""
+    accum = plan.accum_steps
+    prepass = routing_of(model).needs_prepass(accum, plan.data_ranks)
+    if plan.mesh.pp > 1:
+        return 1 + int(prepass), 1
+    gathers = {"micro_batch": 2 * accum, "forward": accum, "step": 1}[cfg.dist.fsdp.reshard]
+    if cfg.dist.fsdp.reshard == "micro_batch" and prepass:
+        gathers += accum  # a forward more per micro-batch, each unit gathered anew
+    return gathers, 1 if cfg.dist.fsdp.accum_sync == "last" else accum
+
+
+def group_comm(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision, g: Dict[str, Any]
+               ) -> Dict[str, int]:
+    """Calls and bytes of every collective of stage group ``g``'s full optimizer step after the first, by
+    metrics key: the data-parallel gradients' (DDP's buckets, FSDP's units), expert parallelism's, the tied
+    weight's between stage groups, pipeline sends and receives, tp's, cp's, the step's own all-reduce of totals
+    and flags (float64), Muon's and float8's."""
     mesh, accum = plan.mesh, plan.accum_steps
-    S, stages = mesh.shard, mesh.pp * cfg.dist.pp.stages_per_rank
-    stream = (precision.param_dtype or torch.float32).itemsize
-    # The stages' fixed shape: micro-batch rows x the model's block_size (shorter sequences padded to it); under
-    # sequence parallelism a rank sends its sequence shard.
+    pipeline = mesh.pp > 1
+    counts = dict.fromkeys(COMM_KEYS + (PP_COMM_KEYS if pipeline else ()) + (TP_COMM_KEYS if mesh.tp > 1 else ()), 0)
+    cut, float8 = local_shapes(model, cfg.dist.tp), gathered_in_float8(model, cfg.precision)
+    if not sharded_by_fsdp(cfg):  # one all-reduce per bucket (bytes as the hook sends them)
+        sent = precision.weights_type.sent_element_size  # master modes send FP32 copies of half buckets
+        buckets = expected_buckets(g["trained"], cfg.dist.bucket_cap_mb)
+        counts["allreduces"] = len(buckets)
+        counts["allreduce_bytes"] = sum(n * (sent or dtype.itemsize) for dtype, n in buckets)
+    else:
+        gathers, scatters = unit_collectives(cfg, plan, model)
+        for unit in g["units"]:
+            add_unit_comm(counts, mesh, *unit_bytes(unit, mesh.shard, precision, cut, float8), gathers, scatters)
+        edp = replace(mesh, replicate=1, shard=mesh.expert_data_ranks)  # a 1-D mesh of the edp ranks
+        for gathered, grad in expert_unit_bytes(plan, g["moe"], precision):
+            add_unit_comm(counts, edp, gathered, grad, gathers, scatters)
+    if mesh.ep > 1:  # the group's MoE layers' all-to-alls, and its experts' one reduction over edp
+        counts["all_to_alls"] = len(g["moe"]) * (ep_forwards(cfg, plan, model) * FORWARD_ALL_TO_ALLS
+                                                 + accum * BACKWARD_ALL_TO_ALLS)
+        if mesh.expert_data_ranks > 1 and not mesh.shards_experts and g["experts"]:
+            counts["allreduces"] += 1
+            counts["allreduce_bytes"] += expert_allreduce_bytes(g["experts"], mesh.ep)
+    if g["first"] != g["last"]:  # the first stage on this group, the last on another (not the V placement's 0)
+        for p in _tied_across(model):
+            counts["allreduces"] += 1
+            counts["allreduce_bytes"] += shard_elements(p, mesh.shard, cut.get(id(p))) * 4
+    if pipeline:
+        add_p2p(cfg, plan, model, precision, g, counts)
     tokens = _rank_tokens(cfg, plan, model)
+    if mesh.tp > 1:  # the activations' collectives of the modules the group holds, counted apart and in the totals
+        for key, value in tp_comm(cfg, plan, model, precision, g["modules"], tokens).items():
+            counts[key] += value
+            counts[key[len("tp_"):]] += value
+        counts.update(fp8_amax_comm(cfg, plan, model, tokens if pipeline else _micro_batch_tokens(cfg, plan, model),
+                                    g["modules"]))
+    if mesh.cp > 1:  # attention's exchanges over each cp group, counted apart
+        counts.update(cp_comm(cfg, plan, model, precision, g["attention"]))
+    counts["step_allreduces"] = 1
+    counts["step_allreduce_bytes"] = step_stats_bytes(mesh.world_size, pipeline)
+    counts.update(moe_step_allreduces(plan, model, counts))
+    counts.update(muon_comm(cfg, mesh, model, {id(p) for p in g["trained"]}))
+    counts.update(fp8_scale_comm(model, cfg, {id(p) for p in g["holds"]}))
+    return counts
+
+
+def add_p2p(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision, g: Dict[str, Any],
+            counts: Dict[str, int]) -> None:
+    """The sends and receives of activations and their gradients between stage group ``g``'s stages and the
+    others'. The stages' fixed shape: micro-batch rows x the model's block_size (shorter sequences padded to
+    it); under sequence parallelism a rank sends its sequence shard."""
+    mesh, accum = plan.mesh, plan.accum_steps
+    stages = mesh.pp * cfg.dist.pp.stages_per_rank
+    stream = (precision.param_dtype or torch.float32).itemsize
     shards = mesh.tp if mesh.tp > 1 and cfg.dist.tp.sequence_parallel else 1
-    activation = tokens // shards * model.stage_dims()[0] * stream
-    tied = _tied_across(model)
+    activation = _rank_tokens(cfg, plan, model) // shards * model.stage_dims()[0] * stream
+    # The MoE counting pass (the global aux term's): every micro-batch forward through the stages first, its
+    # activations sent on as in the step's forward.
+    forwards = 2 if routing_of(model).needs_prepass(accum, plan.data_ranks) else 1
+    for s in g["stages"]:
+        # A neighbour stage on this rank (the V's turn) takes the tensor without a send.
+        apart = lambda t, held=g["stages"]: 0 <= t < stages and t not in held  # noqa: E731
+        for kind, exists in (("send", apart(s + 1)), ("recv", apart(s - 1))):  # forward: the activation
+            if exists:
+                counts[f"p2p_{kind}s"] += forwards * accum
+                counts[f"p2p_{kind}_bytes"] += forwards * accum * activation
+        for kind, exists in (("send", apart(s - 1)), ("recv", apart(s + 1))):  # backward: its gradient
+            if exists:
+                counts[f"p2p_{kind}s"] += accum
+                counts[f"p2p_{kind}_bytes"] += accum * activation
+
+
+def group_state_bytes(cfg: Config, plan: BatchPlan, model: nn.Module, g: Dict[str, Any]) -> int:
+    """Model state stage group ``g``'s rank holds after an optimizer step: its parameters' and its expert slices'
+    (1/ep of each, whole on its rank, or cut over edp too where FSDP shards them)."""
+    mesh = plan.mesh
+    cut = local_shapes(model, cfg.dist.tp)
+    return (expected_state_bytes(cfg, g["trained"], mesh.shard, cut, muon_ids(cfg, model))
+            + expert_state_bytes(cfg, g["experts"], mesh.ep, mesh.expert_data_ranks if mesh.shards_experts else 1))
+
+
+def group_numbers(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision, g: Dict[str, Any],
+                  r: int) -> Dict[str, Any]:
+    """Stage group ``g`` (pp rank ``r``)'s full step and memory: its collectives (None while
+    batch.micro_batch_size=auto waits for the finder), state_mb and the step's peak, a checkpoint's staging
+    copy, the build's host peak and Muon's Newton-Schulz work."""
+    mesh = plan.mesh
+    auto = cfg.batch.micro_batch_size == "auto"  # the split, and so K, is known only once the finder has run
+    cut, muon = local_shapes(model, cfg.dist.tp), muon_ids(cfg, model)
+    state = group_state_bytes(cfg, plan, model, g)
+    extra = None if auto else (pp_peak_extra_bytes(cfg, plan, model, precision, g, r) if mesh.pp > 1 else
+                               expected_peak_extra_bytes(cfg, plan, model, precision, g))
+    return {"step": None if auto else group_comm(cfg, plan, model, precision, g), "state_mb": state / MIB,
+            "step_peak_state_mb": None if extra is None else (state + extra) / MIB,
+            "ckpt_staging_mb": expected_staging_bytes(cfg, g["staged"], g["buffer_bytes"], mesh.shard, cut,
+                                                      muon) / MIB,
+            "load_host_peak_mb": expected_load_bytes(cfg, mesh, model, cut, g["holds"]) / MIB,
+            "muon_ns_flops": muon_ns_flops(cfg, mesh, model, {id(p) for p in g["trained"]})}
+
+
+def pp_peak_extra_bytes(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision, g: Dict[str, Any],
+                        r: int) -> int:
+    """What stage group ``g`` (pp rank ``r``) holds unsharded at the step's peak: every unit stays gathered (a
+    shard group of one rank too: FSDP2 still unshards into its own buffer) and keeps its unsharded gradient from
+    its first backward to the step's reduction; under zero_bubble a stage is reduced and resharded in the step,
+    after its last backward."""
+    mesh, accum, pp = plan.mesh, plan.accum_steps, cfg.dist.pp
+    S = mesh.shard
     cut, float8 = local_shapes(model, cfg.dist.tp), gathered_in_float8(model, cfg.precision)
     # A row-wise Embedding's gradient is made by torch's masked embedding backward over the whole vocabulary: its
     # tp shard is a view of a whole-sized tensor, which is what the rank holds until the step's reduction.
@@ -456,88 +525,21 @@ def pp_expected(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Preci
                           (resolve_plan(model, cfg.dist.tp).items() if mesh.tp > 1 else ())
                           if style == "rowwise" and isinstance(model.get_submodule(name), nn.Embedding)}
     grad_cut = {k: v for k, v in cut.items() if k not in rowwise_embeddings}
-    out = []
-    pp = cfg.dist.pp
-    inflight = pp_inflight(pp.schedule, mesh.pp, pp.stages_per_rank, accum)
-    orders = schedule_orders(pp.schedule, mesh.pp, pp.stages_per_rank, accum) if pp.schedule == "zero_bubble" \
-        else None
-    # The MoE counting pass (the global aux term's): every micro-batch forward through the stages first, its
-    # activations sent on as in the step's forward.
-    forwards = 2 if routing_of(model).needs_prepass(accum, plan.data_ranks) else 1
-    for r, g in enumerate(pp_stage_groups(cfg, model)):
-        counts = dict.fromkeys(COMM_KEYS + PP_COMM_KEYS + (TP_COMM_KEYS if mesh.tp > 1 else ()), 0)
-        if mesh.ep > 1:  # this group's MoE layers' all-to-alls, and its experts' one reduction over edp
-            counts["all_to_alls"] = g["moe_layers"] * (ep_forwards(cfg, plan, model) * FORWARD_ALL_TO_ALLS
-                                                       + accum * BACKWARD_ALL_TO_ALLS)
-            if mesh.expert_data_ranks > 1 and g["experts"]:
-                counts["allreduces"] += 1
-                counts["allreduce_bytes"] += expert_allreduce_bytes(g["experts"], mesh.ep)
-        # What the stage group holds unsharded at the step's peak: each stage's gathered parameters, gradients.
-        stage_gathered, stage_grads = dict.fromkeys(g["stages"], 0), dict.fromkeys(g["stages"], 0)
-        for unit, s in zip(g["units"], g["unit_stages"]):
-            gathered, grad = unit_bytes(unit, S, precision, cut, float8)
-            add_unit_comm(counts, mesh, gathered, grad, forwards, 1)  # the counting pass's forward gathers anew
-            _, held_grad = unit_bytes(unit, S, precision, grad_cut)  # what the rank holds, not what it reduces
-            stage_gathered[s] += S * gathered
-            stage_grads[s] += S * held_grad
-        if g["first"] != g["last"]:  # the first stage on group 0, the last on another (not the V placement's 0)
-            for p in tied:
-                counts["allreduces"] += 1
-                counts["allreduce_bytes"] += shard_elements(p, S, cut.get(id(p))) * 4
-        if mesh.tp > 1:  # the activations' collectives of the modules this stage group holds
-            roots = [b for blocks in g["blocks"] for b in blocks] + \
-                (list(model.pp_first) if g["first"] else []) + (list(model.pp_last) if g["last"] else [])
-            held = lambda name, roots=roots: any(name == r or name.startswith(r + ".") for r in roots)  # noqa: E731
-            for key, value in tp_comm(cfg, plan, model, precision, held, tokens).items():
-                counts[key] += value
-                counts[key[len("tp_"):]] += value
-            counts.update(fp8_amax_comm(cfg, plan, model, tokens, held))
-        if mesh.cp > 1:  # the attention of the blocks this stage group holds
-            names = {id(m): n for n, m in model.named_modules()}
-            own = [b for blocks in g["blocks"] for b in blocks]
-            layers = [m for m in model.context_modules() if any(names[id(m)].startswith(b + ".") for b in own)]
-            counts.update(cp_comm(cfg, plan, model, precision, layers))
-        for s in g["stages"]:
-            # A neighbour stage on this rank (the V's turn) takes the tensor without a send.
-            apart = lambda t, held=g["stages"]: 0 <= t < stages and t not in held  # noqa: E731
-            for kind, exists in (("send", apart(s + 1)), ("recv", apart(s - 1))):  # forward: the activation
-                if exists:
-                    counts[f"p2p_{kind}s"] += forwards * accum
-                    counts[f"p2p_{kind}_bytes"] += forwards * accum * activation
-            for kind, exists in (("send", apart(s - 1)), ("recv", apart(s + 1))):  # backward: its gradient
-                if exists:
-                    counts[f"p2p_{kind}s"] += accum
-                    counts[f"p2p_{kind}_bytes"] += accum * activation
-        counts["step_allreduces"] = 1
-        counts["step_allreduce_bytes"] = step_stats_bytes(mesh.world_size, pipeline=True)
-        counts.update(moe_step_allreduces(plan, model, counts))
-        trained = [p for unit in g["units"] for p in unit if p.requires_grad]
-        counts.update(muon_comm(cfg, mesh, model, {id(p) for p in trained}))
-        counts.update(fp8_scale_comm(model, cfg, {id(p) for p in trained}))
-        ns_flops = muon_ns_flops(cfg, mesh, model, {id(p) for p in trained})
-        state = (expected_state_bytes(cfg, trained, S, cut, muon_ids(cfg, model))
-                 + expert_state_bytes(cfg, g["experts"], mesh.ep))
-        # Every unit stays gathered (a shard group of one rank too: FSDP2 still unshards into its own buffer) and
-        # keeps its unsharded gradient from its first backward to the step's reduction; under zero_bubble a
-        # stage is reduced and resharded in the step, after its last backward.
-        if orders is not None:
-            # In master modes a weight pass's gradients are in the parameters' dtype until FSDP folds them into
-            # its FP32 accumulation; otherwise one tensor holds them.
-            half = (precision.param_dtype.itemsize / 4 if precision.param_dtype is not None
-                    and precision.param_dtype.itemsize != 4 else None)
-            size = {"full": 1.0, "half": half or 1.0, "both": 1.0 + half if half else 1.0}
-            held = max(sum(stage_gathered[s] for s in gathered) +
-                       int(sum(stage_grads[s] * size[form] for s, form in forms.items()))
-                       for gathered, forms in held_along(orders[r]))
-        else:
-            held = sum(stage_gathered.values()) + (sum(stage_grads.values()) if accum > 1 else 0)
-        out.append({"stages": g["stages"], "blocks": g["blocks"], "first": g["first"], "last": g["last"],
-                    "step": counts, "state_mb": state / MIB, "inflight": inflight[r], "muon_ns_flops": ns_flops,
-                    "step_peak_state_mb": (state + held) / MIB,
-                    "ckpt_staging_mb": expected_staging_bytes(cfg, trained, 0, S, cut, muon_ids(cfg, model)) / MIB,
-                    "load_host_peak_mb": expected_load_bytes(cfg, mesh, model, cut,
-                                                             [p for unit in g["units"] for p in unit]) / MIB})
-    return out
+    stage_gathered, stage_grads = dict.fromkeys(g["stages"], 0), dict.fromkeys(g["stages"], 0)
+    for unit, s in zip(g["units"], g["unit_stages"]):
+        stage_gathered[s] += S * unit_bytes(unit, S, precision, cut, float8)[0]
+        stage_grads[s] += S * unit_bytes(unit, S, precision, grad_cut)[1]  # what the rank holds, not what it reduces
+    if pp.schedule != "zero_bubble":
+        return sum(stage_gathered.values()) + (sum(stage_grads.values()) if accum > 1 else 0)
+    orders = schedule_orders(pp.schedule, mesh.pp, pp.stages_per_rank, accum)
+    # In master modes a weight pass's gradients are in the parameters' dtype until FSDP folds them into its FP32
+    # accumulation; otherwise one tensor holds them.
+    half = (precision.param_dtype.itemsize / 4 if precision.param_dtype is not None
+            and precision.param_dtype.itemsize != 4 else None)
+    size = {"full": 1.0, "half": half or 1.0, "both": 1.0 + half if half else 1.0}
+    return max(sum(stage_gathered[s] for s in gathered) +
+               int(sum(stage_grads[s] * size[form] for s, form in forms.items()))
+               for gathered, forms in held_along(orders[r]))
 
 
 def _tied_across(model: nn.Module) -> List[torch.Tensor]:
@@ -568,8 +570,10 @@ def tp_comm(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision
                             loss.chunk_tokens if loss is not None and loss.chunked else None)
 
 
-def expected_peak_extra_bytes(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision) -> int:
-    """Gathered parameters and unsharded gradients held at once at the step's peak, on one rank.
+def expected_peak_extra_bytes(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision,
+                              group: Dict[str, Any]) -> int:
+    """Gathered parameters and unsharded gradients held at once at the step's peak, on one rank, without
+    pipeline stages (``group``: the whole model).
 
     ddp: none (nothing is gathered; the whole gradient is part of state_mb).
     fsdp/hsdp, with G a unit's gathered size in the compute dtype and R its
@@ -585,14 +589,15 @@ def expected_peak_extra_bytes(cfg: Config, plan: BatchPlan, model: nn.Module, pr
     if not sharded_by_fsdp(cfg):
         return 0
     S = mesh.shard
-    units = unit_shard_bytes(cfg, model, precision, S, {id(p) for p in ep_experts(plan, model)})
+    cut, float8 = local_shapes(model, cfg.dist.tp), gathered_in_float8(model, cfg.precision)
+    units = [unit_bytes(unit, S, precision, cut, float8) for unit in group["units"]]
     # A shard group of one rank computes with its shards as they are, unless they must be cast.
     gathered = [0 if S == 1 and precision.param_dtype is None else S * g for g, _ in units]
     grads = [S * r for _, r in units]
     blocks, root = gathered[:-1], gathered[-1]
     # Experts sharded over edp: a unit inside each MoE block, counted as a block of its own.
-    experts = [(plan.mesh.expert_data_ranks * g, plan.mesh.expert_data_ranks * r)
-               for g, r in expert_unit_bytes(plan, model, precision)]
+    experts = [(mesh.expert_data_ranks * g, mesh.expert_data_ranks * r)
+               for g, r in expert_unit_bytes(plan, group["moe"], precision)]
     blocks, gathered = blocks + [g for g, _ in experts], gathered + [g for g, _ in experts]
     grads += [r for _, r in experts]
     reshard, accum = cfg.dist.fsdp.reshard, plan.accum_steps
@@ -789,15 +794,118 @@ def plan_numbers(cfg: Config, plan: BatchPlan, model: Optional[nn.Module] = None
                  host_baseline_mb: Optional[float] = None) -> Dict[str, Any]:
     """What plan.json holds: the mesh, the split, and each metrics.jsonl key a full step will show.
 
+    Built over the stage groups (no pipeline: one group, the whole model): the step's keys are stage group 0's
+    (rank 0's, as metrics.jsonl), each memory figure the largest group's; under pipeline stages
+    ``pp_stage_groups`` holds each group's stages, blocks, collectives and state.
     ``model``: the strategy's module of a run (only shapes, dtypes and blocks are read; a
-    sharded parameter's shape is its whole shape); None builds one on the meta device.
+    sharded parameter's shape is its whole shape); None builds one on the meta device (always under pipeline
+    stages: a pipeline rank's module holds its stages only).
     ``host_baseline_mb``: what the process held with its data ready, before the model was built, where the
     run is on CPU (None elsewhere): with it, ``run_host_peak_mb``.
     """
-    numbers = _mesh_numbers(cfg, plan, model)
+    precision = Precision(cfg.precision, torch.device("cpu"))
+    mesh, pipeline = plan.mesh, plan.mesh.pp > 1
+    if model is None or pipeline:
+        model = meta_model(cfg, precision)
+    auto = cfg.batch.micro_batch_size == "auto"  # the split, and so K, is known only once the finder has run
+    parts = stage_groups(cfg, plan, model)
+    groups = [group_numbers(cfg, plan, model, precision, g, r) for r, g in enumerate(parts)]
+    step = groups[0]["step"]
+    widest = lambda key: max(g[key] for g in groups)  # noqa: E731
+    numbers = {
+        "world_size": plan.world_size,
+        "mesh": {"kind": mesh.kind, "replicate": mesh.replicate, "shard": mesh.shard, "tp": mesh.tp, "pp": mesh.pp,
+                 **({"ep": mesh.ep} if mesh.ep > 1 else {}), **({"cp": mesh.cp} if mesh.cp > 1 else {})},
+        **(cp_numbers(cfg, plan, model) if mesh.cp > 1 else {}),
+        **(ep_numbers(cfg, plan, model) if mesh.ep > 1 else {}),
+        "comm_dims": comm_dims(cfg, plan, model),
+        "micro_batch_size": None if auto else plan.micro_batch_size, "accum_steps": None if auto else plan.accum_steps,
+        "global_batch_size": plan.global_batch_size,
+        "dist.fsdp.reshard": cfg.dist.fsdp.reshard if mesh.kind != "ddp" else None,
+        "dist.fsdp.accum_sync": cfg.dist.fsdp.accum_sync if mesh.kind != "ddp" else None,
+        **({"dist.pp.schedule": cfg.dist.pp.schedule, "dist.pp.stages_per_rank": cfg.dist.pp.stages_per_rank}
+           if pipeline else {}),
+        "parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "state_mb": widest("state_mb"),
+        "step_peak_state_mb": None if auto else widest("step_peak_state_mb"),
+        # What the sequence-parallel norms save for backward per micro-batch on a rank (cut by tp under sp); and
+        # what autograd keeps for backward from one micro-batch's forward on a rank (fake tensors at its shape).
+        # A stage's forward is not run alone in plan mode.
+        "norm_activation_mb": (norm_activation_bytes(model, cfg.dist.tp, _rank_tokens(cfg, plan, model),
+                                                     (precision.param_dtype or torch.float32).itemsize) / MIB
+                               if mesh.tp > 1 and not auto and not pipeline else None),
+        "activation_mb": _mib_or_none(None if auto or pipeline else predicted_bytes(cfg, plan, precision)),
+        "muon_ns_flops": None if cfg.optim.name != "muon" else widest("muon_ns_flops"),
+        "ckpt_staging_mb": widest("ckpt_staging_mb"),
+        "load_host_peak_mb": widest("load_host_peak_mb"),
+        "export_host_peak_mb": expected_export_bytes(mesh, model) / MIB,
+        **({} if pipeline else {"frozen_mb": frozen_bytes(cfg, model, mesh.shard, local_shapes(model, cfg.dist.tp))
+                                / MIB}),
+        **(pp_numbers(cfg, plan, parts, groups) if pipeline else {}),
+        "step": step, "first_step": None if step is None else first_step_comm(step),
+        "resumed_step": None if step is None else resumed_step_comm(step),
+    }
     numbers["host_baseline_mb"] = host_baseline_mb
     numbers["run_host_peak_mb"] = run_host_peak_mb(cfg, plan, numbers, host_baseline_mb)
     return numbers
+
+
+def pp_numbers(cfg: Config, plan: BatchPlan, parts: List[Dict[str, Any]], groups: List[Dict[str, Any]]
+               ) -> Dict[str, Any]:
+    """Under pipeline stages: the schedule's predicted idle fraction, and each stage group's stages, blocks,
+    collectives (also of the first step and the first after a resume), state and micro-batches in flight."""
+    pp = cfg.dist.pp
+    inflight = pp_inflight(pp.schedule, plan.mesh.pp, pp.stages_per_rank, plan.accum_steps)
+    return {"pp_bubble": pp_bubble(pp.schedule, plan.mesh.pp, pp.stages_per_rank, plan.accum_steps),
+            "pp_stage_groups": [{"stages": g["stages"], "blocks": g["blocks"], "first": g["first"], "last": g["last"],
+                                 "step": n["step"], "state_mb": n["state_mb"], "inflight": inflight[r],
+                                 "muon_ns_flops": n["muon_ns_flops"], "step_peak_state_mb": n["step_peak_state_mb"],
+                                 "ckpt_staging_mb": n["ckpt_staging_mb"], "load_host_peak_mb": n["load_host_peak_mb"],
+                                 "first_step": first_step_comm(n["step"]), "resumed_step": resumed_step_comm(n["step"])}
+                                for r, (g, n) in enumerate(zip(parts, groups))]}
+
+
+def cp_numbers(cfg: Config, plan: BatchPlan, model: nn.Module) -> Dict[str, Any]:
+    """(query, key) pairs of one sequence each cp rank's attention computes: equal under zigzag."""
+    auto = cfg.batch.micro_batch_size == "auto"
+    return {"cp_attention_work": None if auto else attention_work(_sequence_length(cfg, plan, model), plan.mesh.cp,
+                                                                  cfg.dist.cp.layout)}
+
+
+def ep_numbers(cfg: Config, plan: BatchPlan, model: nn.Module) -> Dict[str, Any]:
+    """The bounds of the whole model's MoE layers' all-to-all bytes (a stage group's are of its own layers)."""
+    auto = cfg.batch.micro_batch_size == "auto"
+    return {"ep_all_to_all_bytes_max": None if auto else ep_all_to_all_bytes_max(cfg, plan, model),
+            "ep_all_to_all_bytes_balanced": None if auto else ep_all_to_all_bytes_balanced(cfg, plan, model)}
+
+
+def comm_dims(cfg: Config, plan: BatchPlan, model: nn.Module) -> Dict[str, str]:
+    """Which mesh dimension each kind of collective runs over."""
+    mesh = plan.mesh
+    # under tp and pp, ddp's replicas are FSDP2's shard groups of one rank
+    dims = dict(COMM_DIMS["hsdp" if mesh.kind == "ddp" and (mesh.tp > 1 or mesh.pp > 1) else mesh.kind])
+    if mesh.pp > 1:
+        dims.update({"p2p_sends": "pp", "p2p_recvs": "pp"})
+    if mesh.tp > 1:
+        dims.update({key: "tp" for key in TP_COMM_KEYS + FP8_AMAX_KEYS if not key.endswith("_bytes")})
+    if muon_ids(cfg, model) and mesh.pp == 1:  # whole matrices gathered over the dimensions that cut them
+        over = "tp, then shard" if mesh.tp > 1 and sharded_by_fsdp(cfg) else "tp" if mesh.tp > 1 else "shard"
+        for kind in ("gathers", "scatters") if cfg.optim.muon.dist == "owner" else ("all_gathers",):
+            dims[f"muon_{kind}"] = over
+    if gathered_in_float8(model, cfg.precision):  # the float8 all-gather's amaxes, over each shard group
+        dims["fp8_scale_allreduces"] = "shard, then tp (the tp-cut weights')" if mesh.tp > 1 else "shard"
+    if mesh.pp > 1 and _tied_across(model):
+        dims["allreduces"] = dims.get("allreduces", "replicate") + "; the tied weight's: first and last stage groups"
+    if mesh.ep > 1:
+        dims["all_to_alls"] = "ep"
+        if mesh.shards_experts:
+            for key in ("all_gathers", "reduce_scatters"):
+                dims[key] = "; ".join(filter(None, [dims.get(key), "the experts': edp"]))
+        elif mesh.expert_data_ranks > 1:
+            dims["allreduces"] = "; ".join(filter(None, [dims.get("allreduces"), "the experts': edp"]))
+    if mesh.cp > 1:
+        dims.update({"cp_sends": "cp", "cp_all_to_alls": "cp"})
+    return dims
 
 
 def run_host_peak_mb(cfg: Config, plan: BatchPlan, numbers: Dict[str, Any],
@@ -817,130 +925,6 @@ def run_host_peak_mb(cfg: Config, plan: BatchPlan, numbers: Dict[str, Any],
 def runs_on_cpu(cfg: Config) -> bool:
     """Whether the run this config describes trains on CPU (trainer.device, or auto on a machine without CUDA)."""
     return cfg.trainer.device == "cpu" or (cfg.trainer.device == "auto" and not torch.cuda.is_available())
-
-
-def _mesh_numbers(cfg: Config, plan: BatchPlan, model: Optional[nn.Module]) -> Dict[str, Any]:
-    precision = Precision(cfg.precision, torch.device("cpu"))
-    if plan.mesh.pp > 1:  # a pipeline rank's module holds its stages only: plan from the whole one
-        return _pp_numbers(cfg, plan, meta_model(cfg, precision), precision)
-    if model is None:
-        model = meta_model(cfg, precision)
-    params = [p for p in model.parameters() if p.requires_grad]
-    auto = cfg.batch.micro_batch_size == "auto"  # the split, and so K, is known only once the finder has run
-    step = None if auto else expected_comm(cfg, plan, model, precision)
-    mesh = plan.mesh
-    cut = local_shapes(model, cfg.dist.tp)
-    experts = ep_experts(plan, model)
-    skip = {id(p) for p in experts}
-    # Expert slices: 1/ep of each expert tensor, whole on its rank (ddp), or cut over edp too (fsdp).
-    muon = muon_ids(cfg, model)
-    state = (expected_state_bytes(cfg, [p for p in params if id(p) not in skip], mesh.shard, cut, muon)
-             + expert_state_bytes(cfg, experts, mesh.ep, mesh.expert_data_ranks if mesh.shards_experts else 1))
-    dims = dict(COMM_DIMS["hsdp" if mesh.kind == "ddp" and mesh.tp > 1 else mesh.kind])
-    if mesh.tp > 1:
-        dims.update({key: "tp" for key in TP_COMM_KEYS + FP8_AMAX_KEYS if not key.endswith("_bytes")})
-    if muon:  # whole matrices gathered over the dimensions that cut them
-        over = "tp, then shard" if mesh.tp > 1 and sharded_by_fsdp(cfg) else "tp" if mesh.tp > 1 else "shard"
-        for kind in ("gathers", "scatters") if cfg.optim.muon.dist == "owner" else ("all_gathers",):
-            dims[f"muon_{kind}"] = over
-    if gathered_in_float8(model, cfg.precision):  # the float8 all-gather's amaxes, over each shard group
-        dims["fp8_scale_allreduces"] = "shard, then tp (the tp-cut weights')" if mesh.tp > 1 else "shard"
-    ep = {}
-    if mesh.cp > 1:
-        dims.update({"cp_sends": "cp", "cp_all_to_alls": "cp"})
-        # (query, key) pairs of one sequence each cp rank's attention computes: equal under zigzag
-        ep["cp_attention_work"] = (attention_work(_sequence_length(cfg, plan, model), mesh.cp, cfg.dist.cp.layout)
-                                   if not auto else None)
-    if mesh.ep > 1:
-        dims["all_to_alls"] = "ep"
-        if mesh.shards_experts:
-            for key in ("all_gathers", "reduce_scatters"):
-                dims[key] = "; ".join(filter(None, [dims.get(key), "the experts': edp"]))
-        elif mesh.expert_data_ranks > 1:
-            dims["allreduces"] = "; ".join(filter(None, [dims.get("allreduces"), "the experts': edp"]))
-        ep = {"ep_all_to_all_bytes_max": None if auto else ep_all_to_all_bytes_max(cfg, plan, model),
-              "ep_all_to_all_bytes_balanced": None if auto else ep_all_to_all_bytes_balanced(cfg, plan, model)}
-    return {
-        "world_size": plan.world_size,
-        "mesh": {"kind": mesh.kind, "replicate": mesh.replicate, "shard": mesh.shard, "tp": mesh.tp, "pp": 1,
-                 **({"ep": mesh.ep} if mesh.ep > 1 else {}), **({"cp": mesh.cp} if mesh.cp > 1 else {})},
-        **ep,
-        "comm_dims": dims,
-        "micro_batch_size": None if auto else plan.micro_batch_size, "accum_steps": None if auto else plan.accum_steps,
-        "global_batch_size": plan.global_batch_size,
-        "dist.fsdp.reshard": cfg.dist.fsdp.reshard if mesh.kind != "ddp" else None,
-        "dist.fsdp.accum_sync": cfg.dist.fsdp.accum_sync if mesh.kind != "ddp" else None,
-        "parameters": sum(p.numel() for p in params),
-        "state_mb": state / MIB,
-        "step_peak_state_mb": None if auto else (state + expected_peak_extra_bytes(cfg, plan, model, precision)) / MIB,
-        # What the sequence-parallel norms save for backward per micro-batch on a rank (cut by tp under sp).
-        "norm_activation_mb": (norm_activation_bytes(model, cfg.dist.tp, _rank_tokens(cfg, plan, model),
-                                                     (precision.param_dtype or torch.float32).itemsize) / MIB
-                               if mesh.tp > 1 and not auto else None),
-        # What autograd keeps for backward from one micro-batch's forward on a rank (fake tensors at its shape).
-        "activation_mb": _mib_or_none(None if auto else predicted_bytes(cfg, plan, precision)),
-        "muon_ns_flops": muon_ns_flops(cfg, mesh, model),
-        "ckpt_staging_mb": expected_staging_bytes(cfg, params, persistent_buffer_bytes(model), mesh.shard, cut,
-                                                  muon) / MIB,
-        "load_host_peak_mb": expected_load_bytes(cfg, mesh, model, cut) / MIB,
-        "export_host_peak_mb": expected_export_bytes(mesh, model) / MIB,
-        "frozen_mb": frozen_bytes(cfg, model, mesh.shard, cut) / MIB,
-        "step": step, "first_step": None if step is None else first_step_comm(step),
-        "resumed_step": None if step is None else resumed_step_comm(step),
-    }
-
-
-def _pp_numbers(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision) -> Dict[str, Any]:
-    """plan.json under pipeline stages: the keys of every run, from stage group 0 (rank 0's, as metrics.jsonl),
-    and ``pp_stage_groups``: each stage group's stages, blocks, collectives and state."""
-    mesh = plan.mesh
-    groups = pp_expected(cfg, plan, model, precision)
-    step = groups[0]["step"]
-    dims = dict(COMM_DIMS["hsdp" if mesh.kind == "ddp" else mesh.kind])
-    dims.update({"p2p_sends": "pp", "p2p_recvs": "pp"})
-    if gathered_in_float8(model, cfg.precision):
-        dims["fp8_scale_allreduces"] = "shard, then tp (the tp-cut weights')" if mesh.tp > 1 else "shard"
-    if mesh.tp > 1:
-        dims.update({key: "tp" for key in TP_COMM_KEYS + FP8_AMAX_KEYS if not key.endswith("_bytes")})
-    if _tied_across(model):
-        dims["allreduces"] = dims.get("allreduces", "replicate") + "; the tied weight's: first and last stage groups"
-    if mesh.ep > 1:
-        dims["all_to_alls"] = "ep"
-        if mesh.expert_data_ranks > 1:
-            dims["allreduces"] = dims.get("allreduces", "replicate") + "; the experts': edp"
-    cp = {}
-    if mesh.cp > 1:  # as without stages: every stage's attention exchanges over its cp group
-        dims.update({"cp_sends": "cp", "cp_all_to_alls": "cp"})
-        cp["cp_attention_work"] = attention_work(_sequence_length(cfg, plan, model), mesh.cp, cfg.dist.cp.layout)
-    pp = cfg.dist.pp
-    return {
-        "world_size": plan.world_size,
-        "mesh": {"kind": mesh.kind, "replicate": mesh.replicate, "shard": mesh.shard, "tp": mesh.tp, "pp": mesh.pp,
-                 **({"ep": mesh.ep} if mesh.ep > 1 else {}), **({"cp": mesh.cp} if mesh.cp > 1 else {})},
-        **cp,
-        # the bounds of the whole model's MoE layers: a stage group's all-to-alls are of its own layers
-        **({"ep_all_to_all_bytes_max": ep_all_to_all_bytes_max(cfg, plan, model),
-            "ep_all_to_all_bytes_balanced": ep_all_to_all_bytes_balanced(cfg, plan, model)} if mesh.ep > 1 else {}),
-        "comm_dims": dims,
-        "micro_batch_size": plan.micro_batch_size, "accum_steps": plan.accum_steps,
-        "global_batch_size": plan.global_batch_size,
-        "dist.fsdp.reshard": cfg.dist.fsdp.reshard if mesh.kind != "ddp" else None,
-        "dist.fsdp.accum_sync": cfg.dist.fsdp.accum_sync if mesh.kind != "ddp" else None,
-        "dist.pp.schedule": pp.schedule, "dist.pp.stages_per_rank": pp.stages_per_rank,
-        "parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
-        "state_mb": max(g["state_mb"] for g in groups),
-        "step_peak_state_mb": max(g["step_peak_state_mb"] for g in groups),
-        "load_host_peak_mb": max(g["load_host_peak_mb"] for g in groups),
-        "export_host_peak_mb": expected_export_bytes(mesh, model) / MIB,
-        "ckpt_staging_mb": max(g["ckpt_staging_mb"] for g in groups),
-        "norm_activation_mb": None,
-        "activation_mb": None,  # a stage's forward is not run alone in plan mode
-        "muon_ns_flops": None if cfg.optim.name != "muon" else max(g["muon_ns_flops"] for g in groups),
-        "pp_bubble": pp_bubble(pp.schedule, mesh.pp, pp.stages_per_rank, plan.accum_steps),
-        "pp_stage_groups": [{**g, "first_step": first_step_comm(g["step"]),
-                             "resumed_step": resumed_step_comm(g["step"])} for g in groups],
-        "step": step, "first_step": first_step_comm(step), "resumed_step": resumed_step_comm(step),
-    }
 
 
 def _fp8_lines(cfg: Config, plan: BatchPlan, numbers: Dict[str, Any]) -> List[str]:
