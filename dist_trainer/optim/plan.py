@@ -109,7 +109,7 @@ def add_step(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Any, gro
 def add_dims(cfg: Config, plan: BatchPlan, model: nn.Module, dims: Dict[str, str]) -> None:
     """Muon's whole matrices, gathered over the dimensions that cut them."""
     mesh = plan.mesh
-    if muon_ids(cfg, model) and mesh.pp == 1:
+    if muon_ids(cfg, model):
         over = "tp, then shard" if mesh.tp > 1 else "shard"
         for kind in ("gathers", "scatters") if cfg.optim.muon.dist == "owner" else ("all_gathers",):
             dims[f"muon_{kind}"] = over
