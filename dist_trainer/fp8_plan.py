@@ -15,7 +15,7 @@ from torch import nn
 from .config import BatchPlan, Config, master_mode, mib_text
 from .fp8 import RECIPES, gathered_in_float8
 from .parallel.blocks import find_blocks
-from .parallel.cp_plan import micro_batch_tokens, rank_tokens
+from .parallel.cp_plan import rank_tokens
 from .parallel.dp_plan import sharded_by_fsdp
 from .parallel.tp import FP8_AMAX_KEYS, local_shapes, resolve_plan
 from .precision import Precision
@@ -65,11 +65,10 @@ def fp8_scale_comm(model: nn.Module, cfg: Config, held: Optional[Collection[int]
 
 def add_amax_step(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision, group: Dict[str, Any],
                   counts: Dict[str, int]) -> None:
-    """The amax all-reduces of the float8 linears stage group ``group`` holds, under tp (a micro-batch's tokens:
-    a rank's under pipeline stages, the whole micro-batch's otherwise)."""
+    """The amax all-reduces of the float8 linears stage group ``group`` holds, under tp (of a micro-batch's
+    tokens on a rank: under cp its share of each sequence)."""
     if plan.mesh.tp > 1:
-        tokens = rank_tokens(cfg, plan, model) if plan.mesh.pp > 1 else micro_batch_tokens(cfg, plan, model)
-        counts.update(fp8_amax_comm(cfg, plan, model, tokens, group["modules"]))
+        counts.update(fp8_amax_comm(cfg, plan, model, rank_tokens(cfg, plan, model), group["modules"]))
 
 
 def add_scale_step(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision, group: Dict[str, Any],
