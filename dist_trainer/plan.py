@@ -275,8 +275,8 @@ def comm_lines(numbers: Dict[str, Any], accum_steps: Optional[int]) -> List[str]
     dp_step = step if tp == 1 else {key: value - step.get(f"tp_{key}", 0) for key, value in step.items()
                                     if not key.startswith("tp_")}
     lines = dp_plan.dp_comm_lines(numbers, dp_step, kind, accum_steps)
-    lines += tp_plan.tp_comm_lines(step, tp) if tp > 1 else ep_plan.ep_comm_lines(numbers)
-    return lines + cp_plan.cp_comm_lines(numbers)
+    lines += tp_plan.tp_comm_lines(step, tp) if tp > 1 else []
+    return lines + ep_plan.ep_comm_lines(numbers) + cp_plan.cp_comm_lines(numbers)
 
 
 def plan_report(cfg: Config, world_size: int, local_world_size: Optional[int] = None,
