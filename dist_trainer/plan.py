@@ -9,7 +9,7 @@ them exactly (tests hold them to it).
 
 This module composes; each feature keeps its own plan part beside its runtime code (``parallel/dp_plan``,
 ``moe/ep_plan``, ``parallel/pp_plan``, ``parallel/tp_plan``, ``fp8_plan``, ``parallel/cp_plan``,
-``optim/plan``, ``checkpoint/plan``, ``models/plan``). Every number is built on one path, over the stage groups
+``optim/plan``, ``checkpoint/plan``, ``model_plan``). Every number is built on one path, over the stage groups
 (``stage_groups``; no pipeline: one group holding the whole model), by the wings of ``STEP`` and ``DIMS`` in
 their order.
 """
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import torch
+from hydra.utils import instantiate
 from torch import nn
 
 from . import fp8_plan, hostmem
@@ -29,7 +30,8 @@ from .activations import predicted_bytes
 from .checkpoint.plan import expected_staging_bytes, persistent_buffer_bytes
 from .config import MIB, BatchPlan, Config, ConfigError, master_mode
 from .data import StepPlan, build_dataset
-from .models.plan import expected_export_bytes, expected_load_bytes, meta_model
+from .model_plan import expected_export_bytes, expected_load_bytes
+from .models.hf import TARGETS as HF_TARGETS
 from .moe import ep_plan
 from .moe.ep import moe_layers
 from .optim import plan as optim_plan
@@ -108,6 +110,17 @@ def stage_groups(cfg: Config, plan: BatchPlan, model: nn.Module) -> List[Dict[st
              # a checkpoint copies every trainable parameter (expert slices whole) and the buffers
              "staged": [p for p in model.parameters() if p.requires_grad],
              "buffer_bytes": persistent_buffer_bytes(model), "holds": list(model.parameters())}]
+
+
+def meta_model(cfg: Config, precision: Precision) -> nn.Module:
+    """The model as the strategy would hold it, on the meta device: shapes and dtypes, no memory."""
+    # a pretrained Hugging Face model from its configuration alone: its files are read by a run, not by a plan
+    unread = {"load_weights": False} if cfg.model.get("pretrained") and cfg.model.get("_target_") in HF_TARGETS else {}
+    with torch.device("meta"):
+        model = instantiate(cfg.model, _convert_="all", **unread)
+        if not dp_plan.sharded_by_fsdp(cfg):  # fsdp keeps FP32 shards and casts when it gathers
+            precision.prepare(model)
+    return model
 
 
 def group_comm(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision, group: Dict[str, Any]

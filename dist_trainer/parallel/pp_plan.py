@@ -21,7 +21,8 @@ from ..precision import Precision
 from .blocks import find_blocks
 from .cp_plan import rank_tokens
 from .dp_plan import shard_elements, unit_bytes
-from .pp import held_along, pp_bubble, pp_inflight, schedule_orders
+from .pp import (check_stage_api, cut_stages, held_along, pp_bubble, pp_inflight, schedule_orders,
+                 stage_indices)
 from .tp import local_shapes, resolve_plan
 
 PP_COMM_KEYS = ("p2p_sends", "p2p_send_bytes", "p2p_recvs", "p2p_recv_bytes")
@@ -30,9 +31,7 @@ PP_COMM_KEYS = ("p2p_sends", "p2p_send_bytes", "p2p_recvs", "p2p_recv_bytes")
 def pp_stage_groups(cfg: Config, model: nn.Module) -> List[Dict[str, Any]]:
     """Per stage group (pp rank): its stages, their blocks, and the parameters of each FSDP unit it holds
     (each held block's, then each stage's root: the first stage's embedding, the last's norm and head, a tied
-    weight copied into the last)."""
-    from .pp import check_stage_api, cut_stages, stage_indices
-
+    weight copied into the last), with the keys ``plan.stage_groups`` describes."""
     pp, per_rank = cfg.dist.pp.size, cfg.dist.pp.stages_per_rank
     check_stage_api(model, pp)  # plan mode fails as training would
     blocks = find_blocks(model, cfg.dist.blocks)

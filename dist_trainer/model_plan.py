@@ -1,5 +1,5 @@
-"""The model's plan part: the model as the strategy would hold it, on the meta device, and the host memory
-building or loading it and writing the final model add to a rank.
+"""The model's build and export, as plan mode predicts them: the host memory building or loading the model
+adds to a rank (``load_host_peak_mb``) and writing the final model (``export_host_peak_mb``, ``final.py``).
 
 Shapes and file headers only: no tensor is allocated and no process group is asked.
 """
@@ -11,25 +11,11 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
-from hydra.utils import instantiate
 from torch import nn
 
-from ..config import Config, MeshShape
-from ..moe.ep import expert_params
-from ..parallel.dp_plan import shard_elements, sharded_by_fsdp
-from ..precision import Precision
-from .hf import TARGETS as HF_TARGETS
-
-
-def meta_model(cfg: Config, precision: Precision) -> nn.Module:
-    """The model as the strategy would hold it, on the meta device: shapes and dtypes, no memory."""
-    # a pretrained Hugging Face model from its configuration alone: its files are read by a run, not by a plan
-    unread = {"load_weights": False} if cfg.model.get("pretrained") and cfg.model.get("_target_") in HF_TARGETS else {}
-    with torch.device("meta"):
-        model = instantiate(cfg.model, _convert_="all", **unread)
-        if not sharded_by_fsdp(cfg):  # fsdp keeps FP32 shards and casts when it gathers
-            precision.prepare(model)
-    return model
+from .config import Config, MeshShape
+from .moe.ep import expert_params
+from .parallel.dp_plan import shard_elements
 
 
 def expected_load_bytes(cfg: Config, mesh: MeshShape, model: nn.Module, cut: Dict[int, torch.Size],
@@ -54,7 +40,7 @@ def expected_load_bytes(cfg: Config, mesh: MeshShape, model: nn.Module, cut: Dic
     shards = [shard_elements(p, mesh.shard, cut.get(id(p))) for p in params]
     buffers = sum(b.numel() * 4 for b in model.buffers())
     if source:
-        from .pretrained import BLOCK_BYTES
+        from .models.pretrained import BLOCK_BYTES
 
         itemsize = pretrained_itemsize(Path(source).expanduser())
         beside = 0 if itemsize == 4 else max(shards, default=0) * itemsize
@@ -83,7 +69,7 @@ def expected_export_bytes(mesh: MeshShape, model: nn.Module) -> int:
 
 def pretrained_itemsize(directory: Path) -> int:
     """The largest element size of the floating tensors in a save_pretrained directory (their headers only)."""
-    from .pretrained import DTYPES, SafetensorsFile, SafetensorsSource
+    from .models.pretrained import DTYPES, SafetensorsFile, SafetensorsSource
 
     files = {path: SafetensorsFile(path) for path in set(SafetensorsSource(directory).files.values())}
     return max((DTYPES[entry["dtype"]].itemsize for f in files.values() for entry in f.tensors.values()
