@@ -10,7 +10,7 @@ from .schema import (ACCUM_SYNCS, LOADER_KEYS, LOGGER_PACKAGES, LOGGERS, LR_SCAL
                      ConfigError, CPConfig, DistConfig, EPConfig, Fp8Config, FSDPConfig, LoggingConfig,
                      LossScaleConfig, MlflowConfig, MuonConfig, OptimConfig, PlanConfig, PPConfig, PrecisionConfig,
                      TPConfig, TrainerConfig, WandbConfig, divisors, logger_names, master_mode, pp_v_shape, require)
-from .shapes import BatchPlan, MeshShape, derive_batch, derive_mesh, resolve_reshard, scaled_lr
+from .shapes import MIB, BatchPlan, MeshShape, derive_batch, derive_mesh, mib_text, resolve_reshard, scaled_lr
 
 __all__ = [
     "ACCUM_SYNCS", "LOADER_KEYS", "LOGGER_PACKAGES", "LOGGERS", "LR_SCALINGS", "NONFINITE_POLICIES", "OPTIMIZERS",
@@ -18,5 +18,5 @@ __all__ = [
     "ConfigError", "CPConfig", "DistConfig", "EPConfig", "Fp8Config", "FSDPConfig", "LoggingConfig",
     "LossScaleConfig", "MlflowConfig", "MuonConfig", "OptimConfig", "PlanConfig", "PPConfig", "PrecisionConfig",
     "TPConfig", "TrainerConfig", "WandbConfig", "divisors", "logger_names", "master_mode", "pp_v_shape", "require",
-    "BatchPlan", "MeshShape", "derive_batch", "derive_mesh", "resolve_reshard", "scaled_lr",
+    "MIB", "BatchPlan", "MeshShape", "derive_batch", "derive_mesh", "mib_text", "resolve_reshard", "scaled_lr",
 ]

@@ -17,6 +17,13 @@ from .schema import (BatchConfig, ConfigError, CPConfig, DistConfig, EPConfig, O
 
 log = logging.getLogger("dist_trainer")
 
+MIB = 2**20  # plan mode's figures are in MiB (metrics' *_mb keys)
+
+
+def mib_text(n: int) -> str:
+    """Bytes as plan mode prints them: MiB, and the exact count."""
+    return f"{n / MIB:.2f} MiB ({n} bytes)"
+
 
 @dataclass(frozen=True)
 class MeshShape:
@@ -240,8 +247,6 @@ class BatchPlan:
             f"samples per optimizer step; lr {self.base_lr:g} -> {self.lr:g} after scaling; "
             f"{self.max_steps} optimizer steps" + "".join(f"; {line}" for line in self.chosen)
         )
-
-
 
 
 def derive_batch(batch: BatchConfig, world_size: int, ranks: str = "world size") -> tuple[int, int]:
