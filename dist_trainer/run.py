@@ -226,11 +226,9 @@ def sharded_frozen_digest(module: nn.Module, device: torch.device) -> Optional[s
     frozen = dict(sorted((name, p) for name, p in module.named_parameters() if not p.requires_grad))
     if not frozen:
         return None
-    walk = WholeTensors(frozen, {}, device)  # FP32 on rank 0, as the base is built
-    digest = [checkpoint.digest_of(walk) if dist.get_rank() == 0 else None]
-    if dist.get_rank() != 0:
-        for _ in walk:  # every rank takes part in each tensor's gather
-            pass
+    # Every rank walks (each tensor's gather is a collective); only rank 0 is given the tensors, so only its
+    # digest is of the base: the others' are of nothing, and the broadcast replaces them.
+    digest = [checkpoint.digest_of(WholeTensors(frozen, {}, device))]
     dist.broadcast_object_list(digest, src=0)
     return digest[0]
 
