@@ -208,14 +208,15 @@ def run_cli(argv: List[str], cwd: Path, timeout: float, env: Optional[Dict[str, 
 
 # ------------------------------------------------------------------- torchrun's workers, without the agent
 
-# What torchrun --standalone gives each worker. TORCHELASTIC_USE_AGENT_STORE is left out: with no agent,
-# rank 0 hosts the store, as under a multi-node launch or Slurm's tasks.
+# What torchrun --standalone gives each worker. As under torchrun, the launcher hosts the store
+# (TORCHELASTIC_USE_AGENT_STORE) on a port it already holds: a port chosen here, freed and bound again by
+# rank 0 could be taken by another job started at the same moment, whose store rank 1 would then meet.
 def worker_env(env: Dict[str, str], rank: int, nproc: int, port: int, run_id: str) -> Dict[str, str]:
     return {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
             "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_RANK": str(rank),
             "ROLE_WORLD_SIZE": str(nproc), "ROLE_NAME": "default", "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": "0",
-            "TORCHELASTIC_MAX_RESTARTS": "0"}
+            "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": str(True)}
 
 
 STOP_GRACE_S = 15.0  # after a worker fails, the others' time to exit on SIGTERM before SIGKILL (torchrun: 30)
@@ -233,15 +234,17 @@ class Workers:
     """
 
     def __init__(self, argv: List[str], nproc: int, cwd: Path, env: Dict[str, str], out_path: Path):
-        import socket
         import uuid
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        import torch.distributed as dist
+
         run_id = uuid.uuid4().hex
-        extra = [str(cwd), *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
         self.single = nproc == 0  # ``python -m dist_trainer``: one process, no launcher's variables
+        # The agent's store: bound to a free port by the kernel and held until the workers are reaped.
+        self._store = None if self.single else dist.TCPStore("127.0.0.1", 0, is_master=True,
+                                                             wait_for_workers=False)
+        port = 0 if self.single else self._store.port
+        extra = [str(cwd), *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
         self.processes = []
         for rank in range(max(nproc, 1)):
             process_env = env if self.single else worker_env(env, rank, nproc, port, run_id)
@@ -267,8 +270,7 @@ class Workers:
         if any(code not in (None, 0) for code in codes) and self._stopping_since is None:
             self._stopping_since = time.monotonic()
             for p in self.processes:
-                if p.is_alive():
-                    os.kill(p.pid, signal.SIGTERM)
+                p.terminate()  # SIGTERM, and nothing where the worker has exited since exitcode was read
         if self._stopping_since is not None and time.monotonic() - self._stopping_since > STOP_GRACE_S:
             self.kill()
         if all(code is not None for code in (p.exitcode for p in self.processes)):
@@ -276,6 +278,7 @@ class Workers:
                 self.returncode = self.processes[0].exitcode
             else:
                 self.returncode = 0 if all(p.exitcode == 0 for p in self.processes) else 1
+            self._store = None
         return self.returncode
 
     def wait(self, timeout: Optional[float] = None) -> int:
