@@ -527,6 +527,7 @@ def test_workers_with_different_restart_counts_join_one_group_on_a_fresh_store(t
     assert "joined 0 2.0" in outs[0] and "joined 1 2.0" in outs[1], outs
 
 
+@pytest.mark.slow  # two torchrun agents and a restart, about 20 s; one node's restart stays in the default suite
 @uses("ref", "half")
 def test_elastic_restart_across_two_nodes_resumes_bit_identical(fp32_2rank, tmp_path):
     # Two torchrun agents ("nodes") of one process each, with launch/'s

@@ -183,6 +183,7 @@ def test_a_batch_without_valid_targets_gives_zero(autocast):
 
 # ------------------------------------------------------------------------------------------ memory
 
+@pytest.mark.slow  # the benchmark's own process and a 32k vocabulary: about 15 s
 def test_chunked_loss_adds_a_fraction_of_the_plain_loss_peak(tmp_path):
     out = tmp_path / "rows.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
