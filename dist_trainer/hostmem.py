@@ -46,11 +46,6 @@ def user_choice() -> str | None:
     return next((name for name in _USER_CHOICES if os.environ.get(name)), None)
 
 
-def model_is_cut(mesh) -> bool:
-    """Whether a rank holds a part of the model, not all of it (fsdp, hsdp, tp, pp, ep): ``true`` is bounded there."""
-    return mesh.cuts_model or mesh.ep > 1  # ep: the experts, most of an MoE model, are cut
-
-
 def describe(mode: str) -> str:
     return {"reuse": "freed blocks kept for reuse (trainer.tune_malloc=bounded returns blocks from 1 MiB up; "
                      "false keeps the system's settings)",
@@ -60,11 +55,11 @@ def describe(mode: str) -> str:
 
 
 def mode_for(setting: bool | str, mesh) -> str | None:
-    """``trainer.tune_malloc`` made a mode: bounded or reuse (``true``: bounded where the model is cut); None
+    """``trainer.tune_malloc`` made a mode: bounded or reuse (``true``: bounded where a rank holds a part of the model); None
     where the process keeps the system's settings (``false``, or a choice the user made in the environment)."""
     if not setting or user_choice() is not None:
         return None
-    return setting if isinstance(setting, str) else "bounded" if model_is_cut(mesh) else "reuse"
+    return setting if isinstance(setting, str) else "bounded" if mesh.holds_part else "reuse"
 
 
 def keep_freed_memory(mode: str) -> bool:

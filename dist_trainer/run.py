@@ -121,8 +121,8 @@ def train(cfg: Config, run_dir: Path) -> Dict[str, Any]:
     env = distributed.init(cfg.trainer.device, cfg.dist.init_timeout_s)
     watch = watchdog.start(cfg.dist.step_timeout_s, cfg.dist.init_timeout_s, env.rank, env.world_size)
     if cfg.trainer.tune_malloc and env.device.type == "cpu":
-        mode = hostmem.mode_for(cfg.trainer.tune_malloc, plan.mesh) or "reuse"
-        tuned = hostmem.keep_freed_memory(mode)  # before the model and data are allocated
+        mode = hostmem.mode_for(cfg.trainer.tune_malloc, plan.mesh)  # None: the user chose in the environment
+        tuned = mode is not None and hostmem.keep_freed_memory(mode)  # before the model and data are allocated
         if env.is_main:
             log.info("host malloc: %s", hostmem.describe(mode) if tuned else
                      f"left as set ({hostmem.user_choice() or 'not glibc'})")

@@ -135,6 +135,12 @@ class MeshShape:
         return self.strategy == "fsdp" or self.tp > 1 or self.pp > 1
 
     @property
+    def holds_part(self) -> bool:
+        """Whether a rank holds a part of the model, not all of it: the model cut (cuts_model), or the experts,
+        most of an MoE model, sliced over ep."""
+        return self.cuts_model or self.ep > 1
+
+    @property
     def kind(self) -> str:
         """ddp, fsdp (one shard group of every data-parallel rank) or hsdp (shard groups replicated)."""
         if self.strategy == "ddp":

@@ -143,10 +143,10 @@ class LoraWriter:
                  out: Path, adapter_out: Path, max_shard_mb: Optional[float] = None):
         from types import SimpleNamespace
 
-        from ..models.pretrained import _unwrapped
+        from ..models.pretrained import base_name
 
         self.adapters, self.merges = adapters, lora_merges(module)
-        self.name = lambda name: PREFIX + _unwrapped(name[len(PREFIX):])  # the base model's name of a tensor
+        self.name = lambda name: PREFIX + base_name(name[len(PREFIX):])  # the base model's name of a tensor
         base = [TensorInfo(self.name(i.name), i.shape, i.dtype, i.holder, self.name(i.tied_to) if i.tied_to else None)
                 for i in layout if i.name not in adapters]
         view = SimpleNamespace(model=module.model.get_base_model(), tokenizer_spec=module.tokenizer_spec,

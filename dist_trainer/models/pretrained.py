@@ -87,7 +87,7 @@ PEFT_WRAPPER = "base_model.model."
 PEFT_SEGMENTS = (".base_layer.", ".original_module.", ".modules_to_save.default.")
 
 
-def _unwrapped(name: str) -> str:
+def base_name(name: str) -> str:
     """A LoRA model's tensor name as the base model names it (what its files hold)."""
     if name.startswith(PEFT_WRAPPER):
         name = name[len(PEFT_WRAPPER):]
@@ -105,7 +105,7 @@ class SafetensorsSource:
 
     def __init__(self, directory: Path, prefix: str = "model.", lora: bool = False):
         self.directory, self.prefix = Path(directory), prefix
-        self.file_name = _unwrapped if lora else (lambda name: name)
+        self.file_name = base_name if lora else (lambda name: name)
         if (self.directory / INDEX).exists():
             weight_map = json.loads((self.directory / INDEX).read_text())["weight_map"]
             self.files = {key: self.directory / name for key, name in weight_map.items()}
