@@ -188,8 +188,8 @@ def test_a_lora_run_resumes_bit_identically_and_exports_adapters_and_a_merged_mo
 
 def test_an_adapter_loads_on_its_own_base_from_disk_as_readme_shows(tmp_path):
     """A base pretrained with the bytes tokenizer (259 ids), fine-tuned with LoRA on chats whose template adds
-    two markers: README's lines (the tokenizer from hf_adapter/, the base from its own directory, one resize)
-    give the run's logits, whatever values the resize put in the new rows."""
+    two markers: docs/huggingface.md's lines (the tokenizer from hf_adapter/, the base from its own directory, one
+    resize) give the run's logits, whatever values the resize put in the new rows."""
     from hydra.utils import instantiate
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -216,7 +216,7 @@ def test_an_adapter_loads_on_its_own_base_from_disk_as_readme_shows(tmp_path):
     tuned = module.model.get_base_model()
     assert tuned.config.vocab_size == 261 and not tuned.config.tie_word_embeddings
 
-    # README's lines, verbatim but for the paths.
+    # docs/huggingface.md's lines, verbatim but for the paths.
     tokenizer = AutoTokenizer.from_pretrained(run_dir / "hf_adapter")
     base = AutoModelForCausalLM.from_pretrained(base_dir)
     base.resize_token_embeddings(len(tokenizer))

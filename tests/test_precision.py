@@ -571,9 +571,9 @@ def test_step_update_is_exact_mean_gradient_also_for_a_smaller_last_step(precisi
     """SGD(lr=1) update == -(gradient of the summed loss / number of samples in the step).
 
     Step 1: a full window, 4 micro-batches of 8. Step 2: the end of the data, one
-    micro-batch of 8 (README: "the last, smaller step is trained and normalised by
-    what it holds"). The backward of each step divides by the loss divisor *in
-    force during that step*, so the unscaling factor must use that same divisor.
+    micro-batch of 8 (docs/accumulation.md: "the last, smaller step is trained and
+    normalised by what it holds"). The backward of each step divides by the loss
+    divisor *in force during that step*, so the unscaling factor must use that same divisor.
     """
     trainer = _one_rank_trainer(precision)
     model = trainer.model.module

@@ -64,9 +64,9 @@ class BatchConfig:
 
 @dataclass
 class LossScaleConfig:
-    init_scale: float = 2.0**16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
+    init_scale: float = 2.0**16  # the loss scale the run starts with (> 0)
+    growth_factor: float = 2.0  # the scale is multiplied by this after growth_interval good steps (> 1)
+    backoff_factor: float = 0.5  # and by this when it backs off on overflowing gradients, in (0, 1)
     growth_interval: int = 2000  # good steps before the scale grows
     hysteresis: int = 1  # back off on the hysteresis-th overflow since the scale last changed (1: every one)
     min_scale: float = 1.0  # backing off below this stops training
@@ -87,6 +87,8 @@ class Fp8Config:
 
 @dataclass
 class PrecisionConfig:
+    # The precision mode, set by the precision= group: fp32, bf16-mixed, fp16-mixed, bf16-master, fp16-master,
+    # fp8-rowwise, fp8-rowwise-gw-hp, fp8-tensorwise or fp8-mxfp8 (docs/precision.md)
     name: str = "fp32"
     fp8: Fp8Config = field(default_factory=Fp8Config)
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)  # fp16 modes only
@@ -98,7 +100,8 @@ class MuonConfig:
     """optim.muon: Muon's keys (optim.name=muon), for the hidden layers' matrices; the rest take AdamW's optim.*."""
 
     lr: float = 0.02  # before the schedule and batch-size scaling, which it follows as optim.lr does
-    momentum: float = 0.95
+    momentum: float = 0.95  # weight of the past in Muon's momentum (an average of the gradients), in [0, 1)
+    # true: Newton-Schulz orthogonalises the gradient moved toward the momentum (Nesterov); false: the momentum
     nesterov: bool = True
     ns_steps: int = 5  # Newton-Schulz iterations
     ns_dtype: str = "fp32"  # fp32 or bf16 (torch.optim.Muon's: faster, not split-invariant)
@@ -112,18 +115,19 @@ class MuonConfig:
 
 @dataclass
 class OptimConfig:
+    # Set by the optim= group: adamw, sgd, muon (Muon on the hidden matrices, AdamW on the rest) or adafactor
     name: str = "adamw"
     lr: float = 1e-3  # before scaling for the effective batch
     weight_decay: float = 0.0  # applied to matrices and embeddings only
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW's (muon's too) [beta1, beta2], in [0, 1)
     # Adam's eps is added in the FP32 optimizer state (parameters seen by the
     # optimizer are always FP32), so 1e-8 does not underflow as it would in fp16.
     eps: float = 1e-8
     momentum: float = 0.9  # sgd only
-    lr_scaling: str = "none"
+    lr_scaling: str = "none"  # none | linear | sqrt: lr x (global_batch_size / base_batch_size), or its root
     base_batch_size: Optional[int] = None  # global batch the base lr was tuned for
     warmup_steps: int = 0  # optimizer updates of linear warmup
-    schedule: str = "constant"
+    schedule: str = "constant"  # after warmup: constant, or cosine down to min_lr_ratio x lr at trainer.max_steps
     min_lr_ratio: float = 0.1  # cosine floor, as a fraction of the peak lr
     grad_clip: Optional[float] = 1.0  # max global norm of unscaled grads; null disables
     # null: fused AdamW on CUDA, torch's default elsewhere (the per-parameter loop on CPU);
@@ -138,7 +142,7 @@ class OptimConfig:
 @dataclass
 class TrainerConfig:
     max_steps: int = 300  # optimizer steps (windows), skipped ones included
-    seed: int = 0
+    seed: int = 0  # initial weights and data order; dropout and other draws: seed + the data-parallel rank
     log_every: int = 10  # console cadence, optimizer steps
     eval_every: int = 100  # optimizer steps; 0 disables periodic eval
     eval_batches: int = 10  # micro-batches per rank per evaluation
@@ -249,8 +253,14 @@ class DistConfig:
     # fsdp, hsdp, tp, pp: build the model on the meta device and materialise each rank's shards only
     # (dist_trainer/models/construct.py); false: build it whole on every rank first, then shard it.
     meta_init: bool = True
+    # Recompute each block's (dist.blocks) activations in backward instead of keeping them: less memory, one
+    # more forward of every block; the same gradients
     activation_checkpointing: bool = False
+    # ddp: BatchNorm's batch statistics over all ranks (torch's SyncBatchNorm on CUDA, parallel/sync_batchnorm.py
+    # on CPU); not with fsdp, tp or pp
     sync_batchnorm: bool = False
+    # For forwards that leave some parameters unused: DDP's flag under ddp; under fsdp such parameters take
+    # part in the reduce-scatter with zero gradients
     find_unused_parameters: bool = False
     bucket_cap_mb: Optional[float] = None  # null = DDP's own default
     # ddp: gradients are views of the all-reduce buckets (one gradient-sized copy less);
@@ -275,11 +285,11 @@ class PlanConfig:
 class WandbConfig:
     """logging.wandb.*: null leaves a key to wandb, which reads WANDB_PROJECT, WANDB_ENTITY, ... itself."""
 
-    project: Optional[str] = None
-    entity: Optional[str] = None
+    project: Optional[str] = None  # the project the run is logged to
+    entity: Optional[str] = None  # the team or user that owns the project
     name: Optional[str] = None  # null: the run directory's name
-    tags: List[str] = field(default_factory=list)
-    group: Optional[str] = None
+    tags: List[str] = field(default_factory=list)  # labels on the run, e.g. [baseline, fsdp]
+    group: Optional[str] = None  # runs of one group are shown together (a sweep's, a comparison's)
     mode: Optional[str] = None  # online | offline | disabled
 
 
@@ -287,7 +297,7 @@ class WandbConfig:
 class MlflowConfig:
     """logging.mlflow.*: null reads MLFLOW_TRACKING_URI and MLFLOW_EXPERIMENT_NAME."""
 
-    tracking_uri: Optional[str] = None
+    tracking_uri: Optional[str] = None  # the tracking server or store, e.g. http://host:5000
     experiment: Optional[str] = None  # null and no MLFLOW_EXPERIMENT_NAME: dist_trainer
     run_name: Optional[str] = None  # null: the run directory's name
 
@@ -313,7 +323,12 @@ def logger_names(logger: Any) -> List[str]:
 
 @dataclass
 class Config:
+    # The model= group's node (gpt, digits_convnet, hf_causal_lm, hf_masked_lm, custom): _target_ names the
+    # nn.Module (or the function) built; the other keys are its arguments
     model: Dict[str, Any] = field(default_factory=dict)
+    # The data= group's node (char_text, digits, tokens, hf_text, hf_chat, custom): _target_ names the callable
+    # that returns the dataset; the other keys are its arguments, but shuffle, drop_last, num_workers and
+    # prefetch_factor, which are the loader's
     data: Dict[str, Any] = field(default_factory=dict)
     batch: BatchConfig = field(default_factory=BatchConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
