@@ -165,6 +165,7 @@ def group_numbers(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Pre
             "ckpt_staging_mb": expected_staging_bytes(cfg, g["staged"], g["buffer_bytes"], mesh.shard, cut,
                                                       muon) / MIB,
             "load_host_peak_mb": expected_load_bytes(cfg, mesh, model, cut, g["holds"]) / MIB,
+            "frozen_mb": dp_plan.frozen_bytes(cfg, g["holds"], mesh.shard, cut) / MIB,
             "muon_ns_flops": optim_plan.muon_ns_flops(cfg, mesh, model, {id(p) for p in g["trained"]})}
 
 
@@ -215,8 +216,7 @@ def plan_numbers(cfg: Config, plan: BatchPlan, model: Optional[nn.Module] = None
         "ckpt_staging_mb": widest("ckpt_staging_mb"),
         "load_host_peak_mb": widest("load_host_peak_mb"),
         "export_host_peak_mb": expected_export_bytes(mesh, model) / MIB,
-        **({} if pipeline else {"frozen_mb": dp_plan.frozen_bytes(cfg, model, mesh.shard,
-                                                                  local_shapes(model, cfg.dist.tp)) / MIB}),
+        "frozen_mb": widest("frozen_mb"),
         **(_with_first_steps(pp_plan.pp_numbers(cfg, plan, parts, groups)) if pipeline else {}),
         "step": step, "first_step": None if step is None else first_step_comm(step),
         "resumed_step": None if step is None else resumed_step_comm(step),

@@ -470,6 +470,10 @@ def test_plan_mode_under_pipeline_stages_gives_context_parallelisms_numbers_too(
 
     (_, flat), (cfg, staged) = numbers(1), numbers(2)
     assert staged["mesh"]["cp"] == 2 and staged["mesh"]["pp"] == 2
+    # one path: every key of the plan without stages is in the staged one, which adds its schedule's only
+    assert set(flat) <= set(staged), set(flat) - set(staged)
+    assert set(staged) - set(flat) == {"pp_stage_groups", "pp_bubble", "dist.pp.schedule", "dist.pp.stages_per_rank"}
+    assert staged["frozen_mb"] == 0.0 and all(g["frozen_mb"] == 0.0 for g in staged["pp_stage_groups"])
     for key in ("cp_sends", "cp_all_to_alls"):
         assert staged["comm_dims"][key] == flat["comm_dims"][key] == "cp"
     assert staged["cp_attention_work"] == flat["cp_attention_work"]

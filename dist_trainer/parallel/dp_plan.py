@@ -209,10 +209,10 @@ def expected_state_bytes(cfg: Config, params: List[torch.Tensor], shard: int,
     return own + masters + optimizer_state_bytes(cfg, sizes, is_muon, [p.shape for p in params])
 
 
-def frozen_bytes(cfg: Config, model: nn.Module, shard: int, cut: Dict[int, torch.Size]) -> int:
-    """What a rank holds of the parameters that do not train (a LoRA base), which state_mb leaves out: their FP32
-    shards under fsdp, else whole in their dtype."""
-    frozen = [p for p in {id(p): p for p in model.parameters()}.values() if not p.requires_grad]
+def frozen_bytes(cfg: Config, holds: List[nn.Parameter], shard: int, cut: Dict[int, torch.Size]) -> int:
+    """What a rank holds of the parameters that do not train (a LoRA base) among ``holds`` (its stage group's),
+    which state_mb leaves out: their FP32 shards under fsdp, else whole in their dtype."""
+    frozen = [p for p in {id(p): p for p in holds}.values() if not p.requires_grad]
     if sharded_by_fsdp(cfg):
         return 4 * sum(shard_elements(p, shard, cut.get(id(p))) for p in frozen)
     return sum(math.prod(cut.get(id(p), p.shape)) * p.element_size() for p in frozen)

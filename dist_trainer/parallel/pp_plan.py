@@ -158,7 +158,8 @@ def pp_numbers(cfg: Config, plan: BatchPlan, parts: List[Dict[str, Any]], groups
             "pp_stage_groups": [{"stages": g["stages"], "blocks": g["blocks"], "first": g["first"], "last": g["last"],
                                  "step": n["step"], "state_mb": n["state_mb"], "inflight": inflight[r],
                                  "muon_ns_flops": n["muon_ns_flops"], "step_peak_state_mb": n["step_peak_state_mb"],
-                                 "ckpt_staging_mb": n["ckpt_staging_mb"], "load_host_peak_mb": n["load_host_peak_mb"]}
+                                 "ckpt_staging_mb": n["ckpt_staging_mb"], "load_host_peak_mb": n["load_host_peak_mb"],
+                                 "frozen_mb": n["frozen_mb"]}
                                 for r, (g, n) in enumerate(zip(parts, groups))]}
 
 
