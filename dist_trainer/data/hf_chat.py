@@ -165,19 +165,36 @@ class ChatTemplate:
         for turn, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            before = self.render(messages[:turn], True, where)
-            through = self.render(messages[:turn + 1], False, where)
-            if not (through.startswith(before) and full.startswith(through) and len(before) >= done):
-                raise ConfigError(f"data.chat_template: it does not render {where} turn by turn (the conversation "
-                                  f"up to turn {turn + 1} is not a prefix of the whole), so its answers cannot be "
-                                  "located; use data.chat_template=default, or data.train_on=all")
-            pieces += [(full[done:len(before)], False), (through[len(before):], True)]
-            done = len(through)
+            start, end = self.answer_span(messages, turn, full, done, where)
+            pieces += [(full[done:start], False), (full[start:end], True)]
+            done = end
         if not any(trained for _, trained in pieces):
             raise ConfigError(f"data.files: {where}: no assistant turn, so nothing to train on "
                               "(data.train_on=all trains on every token)")
         pieces.append((full[done:], False))
         return [(text, trained) for text, trained in pieces if text]
+
+    def answer_span(self, messages: List[dict], turn: int, full: str, done: int, where: str,
+                    remedy: str = "use data.chat_template=default, or data.train_on=all") -> Tuple[int, int]:
+        """[start, end) of assistant turn ``turn`` in ``full`` (the conversation rendered): its content and the
+        template's end of turn. Found by rendering up to the turn with the generation prompt, and through it;
+        ``done``: where the previous answer ended (a template that rewrites earlier turns fails here)."""
+        before = self.render(messages[:turn], True, where)
+        through = self.render(messages[:turn + 1], False, where)
+        if not (through.startswith(before) and full.startswith(through) and len(before) >= done):
+            raise ConfigError(f"data.chat_template: it does not render {where} turn by turn (the conversation "
+                              f"up to turn {turn + 1} is not a prefix of the whole), so its answers cannot be "
+                              f"located; {remedy}")
+        return len(before), len(through)
+
+
+def join(parts: List[Tuple[np.ndarray, bool]]) -> Tuple[np.ndarray, np.ndarray]:
+    """One sequence's (ids, trained) from its pieces' (ids, trained), each piece tokenized on its own."""
+    token_ids = np.concatenate([p for p, _ in parts]).astype(np.uint32)
+    trained = np.concatenate([np.full(p.size, t, dtype=np.uint8) for p, t in parts])
+    if trained.size:
+        trained[0] = 0  # the first token: nothing in its conversation predicts it
+    return token_ids, trained
 
 
 def encode(tok: TextTokenizer, template: ChatTemplate, conversations: List[Tuple[str, List[dict]]],
@@ -186,15 +203,7 @@ def encode(tok: TextTokenizer, template: ChatTemplate, conversations: List[Tuple
     pieces = [template.pieces(messages, where, train_on) for where, messages in conversations]
     flat = [text for conv in pieces for text, _ in conv]
     ids = iter(tok.encode_batch(flat))
-    out = []
-    for conv in pieces:
-        parts = [(next(ids), trained) for _, trained in conv]
-        token_ids = np.concatenate([p for p, _ in parts]).astype(np.uint32)
-        trained = np.concatenate([np.full(p.size, t, dtype=np.uint8) for p, t in parts])
-        if trained.size:
-            trained[0] = 0  # the first token: nothing in its conversation predicts it
-        out.append((token_ids, trained))
-    return out
+    return [join([(next(ids), trained) for _, trained in conv]) for conv in pieces]
 
 
 def _write(out: Path, sources: Sources, tok: TextTokenizer, template: ChatTemplate, columns: Columns,
@@ -348,13 +357,18 @@ def _check_args(files: Any, block_size: Any, max_length: Any, train_on: str, spl
         raise ConfigError(f"data=hf_chat trains causal LMs; model.task={task} (use model=hf_causal_lm)")
     if train_on not in TRAIN_ON:
         raise ConfigError(f"data.train_on={train_on!r}: choose assistant (the answers) or all (every token)")
+    return files, check_lengths(block_size, max_length)
+
+
+def check_lengths(block_size: Any, max_length: Any) -> int:
+    """data.block_size and data.max_length (null: block_size); the longest sequence kept."""
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 2:
         raise ConfigError(f"data.block_size={block_size!r}: must be an integer >= 2")
     max_length = block_size if max_length is None else max_length
     if not isinstance(max_length, int) or isinstance(max_length, bool) or not 2 <= max_length <= block_size:
         raise ConfigError(f"data.max_length={max_length!r}: must be an integer in [2, data.block_size={block_size}] "
                           "(null: data.block_size)")
-    return files, max_length
+    return max_length
 
 
 def hf_chat(files: Sequence[str], block_size: int = 512, tokenizer: str = "bytes", chat_template: str = "auto",
