@@ -9,6 +9,7 @@
 ``train_tokenizer``  ``python -m dist_trainer.tokenizer``: a BPE tokenizer trained on local files
 ``hf_text``          ``data=hf_text``: local text files read with Hugging Face ``datasets``
 ``hf_chat``          ``data=hf_chat``: conversations, the loss on the answers only
+``hf_preference``    ``data=hf_preference``: preference pairs for DPO, a batch of the chosen rows then the rejected
 
 Nothing here imports the run, the step or a strategy; the ``hf_*`` modules and ``tokenizer`` import
 ``datasets``, ``tokenizers`` and ``jinja2`` at their own level or lazily, so the rest works without the
