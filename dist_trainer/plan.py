@@ -41,6 +41,8 @@ from .parallel.comm import COMM_KEYS as GRADIENT_COMM_KEYS
 from .parallel.pp_plan import pp_stage_groups
 from .parallel.tp import local_shapes
 from .precision import Precision
+from .rl import build_objective
+from .rl import plan as rl_plan
 from .trainer import STEP_FIXED_SLOTS
 from .validation import validate
 
@@ -63,6 +65,7 @@ STEP = (dp_plan.add_step,  # the gradients': DDP's buckets, or FSDP's units
         fp8_plan.add_amax_step,  # float8 casts' amaxes over a tp cut
         cp_plan.add_step,  # attention's exchanges
         add_step_allreduce,
+        rl_plan.add_step,  # task=dpo: its figures in the step's all-reduce, the reference's pass under fsdp
         ep_plan.add_routing_step,  # the routing's counts ride the step's all-reduce
         optim_plan.add_step,  # Muon's gathers of whole matrices
         fp8_plan.add_scale_step)  # the float8 all-gather's scales
@@ -120,6 +123,7 @@ def meta_model(cfg: Config, precision: Precision) -> nn.Module:
         model = instantiate(cfg.model, _convert_="all", **unread)
         if not dp_plan.sharded_by_fsdp(cfg):  # fsdp keeps FP32 shards and casts when it gathers
             precision.prepare(model)
+        build_objective(cfg, model)  # task=dpo: its reference's passes and figures count in the step
     return model
 
 

@@ -33,6 +33,7 @@ from .metrics import Outputs, peak_flops, peak_mem_mb
 from .models import construct, pretrained
 from .models.hf import TARGETS as HF_TARGETS
 from .moe import inactive_params, routing_of
+from .rl import build_objective
 from . import fp8
 from .optim import build_optimizer, optimizer_line
 from .parallel import build_strategy, check_consistency
@@ -196,6 +197,7 @@ def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
         if cfg.precision.name in fp8.RECIPES:  # float8 linears first: every parallelism wraps them as it would a Linear
             fp8.convert(model, cfg.precision.fp8, cfg.precision.name, env.device.type)
         strategy = build_strategy(model, env, cfg.dist, mesh, precision, cfg.trainer.compile, materialise)
+        build_objective(cfg, strategy.module)  # task=dpo: its reference (a copy: of the model as built)
         if materialise is not None:  # a frozen base built on the meta device: its digest from the shards
             frozen = sharded_frozen_digest(strategy.module, env.device)
     load_mb = materialise.mb if materialise is not None else built.mb
@@ -489,6 +491,7 @@ def step_record(outcome: StepOutcome, position: Position, trainer: Trainer, step
         "samples_per_s": outcome.samples / step_time, "items_per_s": outcome.items / step_time,
         "peak_mem_mb": peak_mem_mb(env.device),
         **outcome.moe,  # MoE: aux_loss, z_loss, expert_tokens, expert_load_max, dead_experts
+        **outcome.rl,  # task=dpo: rewards/chosen, rewards/rejected, rewards/accuracies, ... (rl.dpo.FIGURES)
     }
     if outcome.pp_idle_times:  # pipeline stages: each stage group's idle seconds (its slowest rank's), measured
         mesh, per = trainer.plan.mesh, trainer.plan.mesh.stage_ranks

@@ -38,6 +38,7 @@ from .moe import routing_of
 from .optim import lr_at, set_lr
 from .parallel.state import local_tensor
 from .precision import Precision
+from .rl import objective_of
 
 log = logging.getLogger("dist_trainer")
 
@@ -82,6 +83,8 @@ class StepOutcome:
     busy: bool = False  # some rank's background work (a checkpoint's write) still ran at this step's all-reduce
     # Mixture of experts: the step's expert counts, load, aux and z terms, summed over ranks (moe.Routing.totals).
     moe: Dict[str, Any] = field(default_factory=dict)
+    # task=dpo: the step's rewards and log-probabilities, means over its pairs (rl.dpo.FIGURES); empty for task=lm
+    rl: Dict[str, Any] = field(default_factory=dict)
 
 
 def _leading_dim(batch: Any) -> int:
@@ -160,6 +163,8 @@ class Trainer:
         # Its counts and balancing sums are of this rank's MoE layers (a pipeline stage holds its own only), so
         # they count on one rank of each (stage, data rank) group: the first of its tensor-parallel group.
         self.routing_share = float(plan.mesh is None or env.rank % plan.mesh.tp == 0)
+        # The task's objective (task=dpo: the pairs' loss, its figures summed in the step's all-reduce; else none).
+        self.objective = objective_of(self.module)
 
     def optimizer_comm(self) -> Dict[str, int]:
         """The optimizer's own collectives (Muon's gathers of sharded matrices; the float8 all-gather's scales,
@@ -178,7 +183,7 @@ class Trainer:
         strategy.track_peak(self.state_mb is None)  # until the step that measures state_mb
         self.weights.zero_grad()
         counted = [bool(indices) for indices in window]  # a placeholder micro-batch runs, but counts nowhere
-        self._count_experts(batches, counted)  # MoE's global aux term: the step's expert counts, first
+        self._begin_step(batches, counted)  # the step's figures from zero; MoE's global aux term: its counts, first
         if self.pipeline is not None:  # pipeline stages: the schedule runs every micro-batch, the last stage the loss
             loss_sum, items = self.pipeline(batches, counted)
         else:
@@ -186,8 +191,9 @@ class Trainer:
             items = torch.zeros((), dtype=torch.float64, device=self.env.device)
             for i, (batch, count) in enumerate(zip(batches, counted)):
                 last = i == len(batches) - 1
-                # whether this backward reduces gradients; whether the MoE layers count its tokens
-                with strategy.micro_batch(last), self.routing.micro_batch(count, self.loss_factor):
+                # whether this backward reduces gradients; whether the MoE layers and the objective count it
+                with strategy.micro_batch(last), self.routing.micro_batch(count, self.loss_factor), \
+                        self.objective.micro_batch(count):
                     with self.precision.autocast():
                         output = self.model(batch)
                     mb_loss_sum, mb_items = loss_terms(output, batch, count)
@@ -224,9 +230,11 @@ class Trainer:
         return {"comm": comm, "allreduces": comm.get("allreduces", 0),
                 "allreduce_bytes": comm.get("allreduce_bytes", 0)}
 
-    def _count_experts(self, batches: List[Any], counted: List[bool]) -> None:
-        """MoE: the step's expert counts start from zero; where the global aux term needs them before the first
-        backward, the window's forward passes run first without gradients to count them, summed over ranks."""
+    def _begin_step(self, batches: List[Any], counted: List[bool]) -> None:
+        """The objective's figures and MoE's expert counts start from zero; where the global aux term needs the
+        counts before the first backward, the window's forward passes run first without gradients to count them,
+        summed over ranks."""
+        self.objective.begin_step(self.env.device)
         self.routing.begin_step(self.env.device)
         if self.routing.needs_prepass(len(counted), self.plan.data_ranks):
             self.routing.count_window(lambda: self.forward_window(batches, counted), self._reduce_counts,
@@ -309,7 +317,8 @@ class Trainer:
             stats[B + 4 * world + self.env.rank] = self.strategy.pp_schedule_s
             stats[B + 5 * world + self.env.rank] = self.strategy.pp_inflight
         # MoE: the step's expert counts and balancing sums ride along (none for a dense model).
-        stats = torch.cat([stats, self.routing.local_stats(self.routing_share).to(stats.device)])
+        stats = torch.cat([stats, self.routing.local_stats(self.routing_share).to(stats.device),
+                           self.objective.local_stats(share).to(stats.device)])
         self._all_reduce(stats)
         values = stats.tolist()  # the step's one host sync
         pp = values[B + 3 * world:own]  # pipeline stages' slots (none without)
@@ -326,7 +335,8 @@ class Trainer:
                             "data_times": values[B + world:B + 2 * world],
                             "compute_times": values[B + 2 * world:B + 3 * world],
                             "pp_idle_times": pp[:world], "pp_schedule_times": pp[world:2 * world],
-                            "pp_inflight": pp[2 * world:], "moe": self.routing.take_totals(values[own:], items)}}
+                            "pp_inflight": pp[2 * world:], "moe": self.routing.take_totals(values[own:], items),
+                            "rl": self.objective.take_totals(values[own + self.routing.slots():], items)}}
 
     def _apply(self, totals: dict, scale: float, step: int) -> Dict[str, Any]:
         """Skip, or normalise, clip and step; what the outcome reports of it, by StepOutcome's names."""

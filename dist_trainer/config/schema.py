@@ -309,6 +309,32 @@ class LoggingConfig:
     hf_model_artifact: bool = False  # also upload hf_model/ at the end (the report's PNGs always go)
 
 
+TASKS = ("lm", "dpo")
+DPO_LOSSES = ("sigmoid", "ipo", "hinge", "robust")
+REFERENCES = ("auto", "copy", "adapter", "none")
+
+
+@dataclass
+class DPOConfig:
+    """rl.dpo: Direct Preference Optimization's keys (task=dpo; dist_trainer/rl/dpo.py)."""
+
+    beta: float = 0.1  # the strength of the KL anchor: each side's implicit reward is beta x (its logp - the reference's)
+    # sigmoid (DPO's), ipo (on the answers' per-token mean logps), hinge (SLiC's), robust (with label_smoothing)
+    loss: str = "sigmoid"
+    label_smoothing: float = 0.0  # sigmoid and robust: the assumed fraction of flipped labels, in [0, 0.5)
+
+
+@dataclass
+class RLConfig:
+    """rl: post-training with preferences (task=dpo): the reference model and each objective's keys."""
+
+    # What the policy is measured against: copy (a frozen copy of the model as built), adapter (with model.lora:
+    # the policy with its adapters disabled, no second copy), none (no reference: its log-probabilities 0);
+    # auto: adapter with LoRA, else copy
+    reference: str = "auto"
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+
+
 LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow")
 # The package each tracker needs, and the extra that brings it.
 LOGGER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
@@ -339,3 +365,7 @@ class Config:
     # jsonl (always written), tensorboard, wandb, mlflow: a name or a list, e.g. logger=[jsonl,wandb]
     logger: Any = "jsonl"
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    # What the run trains: lm (the next token, or the masked ones: the data's own loss) or dpo (preference pairs
+    # of data=hf_preference against a reference model: rl.*)
+    task: str = "lm"
+    rl: RLConfig = field(default_factory=RLConfig)

@@ -94,6 +94,8 @@ class HFModel(nn.Module):
             # The balancing terms are the MoE layers' own; transformers' router loss would count them again.
             self._call_kwargs["output_router_logits"] = False
         self._stage_parts = _decoder_parts(model) if task == "causal_lm" else None
+        # task=dpo's objective (rl.dpo.DPO: forward returns its loss over the batch's pairs); None: the tokens' loss
+        self.objective = None
 
     # -- pipeline stages (dist.pp.size > 1): decoders laid out as Llama's (llama, qwen2, mistral, ...) -----------
     # The base model's embed_tokens go with the first stage, its norm and the lm_head with the last; its
@@ -182,6 +184,8 @@ class HFModel(nn.Module):
         return token_loss(logits, targets)
 
     def forward(self, batch: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        if self.objective is not None:
+            return self.objective(self, batch)
         inputs = {key: batch[key] for key in MODEL_INPUTS if key in batch}
         if self.routing is not None:  # the positions the balancing terms count: exactly those the loss counts
             targets = self.stage_targets(batch) if self.task == "causal_lm" else self._labels(batch)
@@ -195,6 +199,16 @@ class HFModel(nn.Module):
         if self.task == "causal_lm" and "targets" not in batch:
             logits, labels = logits[:, :-1], labels[:, 1:]  # position t predicts token t + 1
         return token_loss(logits, labels)
+
+    def answer_logps(self, batch: Mapping[str, torch.Tensor], body: Optional[nn.Module] = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's log-probability of its labelled tokens (``labels``, Hugging Face's unshifted convention),
+        summed in FP32, and their number: under this model, or under ``body`` (a reference's transformers model)."""
+        inputs = {key: batch[key] for key in MODEL_INPUTS if key in batch}
+        logits = (body if body is not None else self.model)(**inputs, **self._call_kwargs).logits[:, :-1]
+        labels = batch["labels"][:, 1:]  # position t predicts token t + 1
+        nll = F.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none")
+        return -nll.sum(dim=1), (labels != IGNORE_INDEX).sum(dim=1)
 
     def head_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> Dict[str, torch.Tensor]:
         """``loss_terms`` of the head's logits of ``hidden`` (the final norm's output), ``chunk_tokens`` rows at a

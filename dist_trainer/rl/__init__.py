@@ -1,0 +1,9 @@
+"""Post-training with preferences: ``task=dpo`` (``rl.*``), a wing of its own.
+
+``checks.py`` holds the keys' checks (run by ``dist_trainer.validation``), ``dpo.py`` the objective: the loss over
+a micro-batch of pairs against a reference, and the step's figures it adds to metrics.jsonl.
+"""
+
+from .dpo import DPO, NoObjective, build_objective, objective_of
+
+__all__ = ["DPO", "NoObjective", "build_objective", "objective_of"]

@@ -1,0 +1,173 @@
+"""``task=dpo``: Direct Preference Optimization, exact over any split of the step's pairs.
+
+A sample is a pair; a micro-batch of B pairs is one batch of 2B rows, the chosen answers first, then the rejected
+ones (``data=hf_preference``). Each row's log-probability of its answer (``HFModel.answer_logps``: the labelled
+tokens' log-probabilities summed in FP32) is taken under the policy and under the reference; a pair's loss depends on
+its two rows alone, so the micro-batch returns ``{"loss_sum": the pairs' losses summed, "num_items": B}`` and the
+trainer's division by the step's pairs gives the mean over the step's pairs, whatever the split. With
+z = (policy - reference log-probability of the chosen answer) - (the same of the rejected one), beta = rl.dpo.beta
+and eps = rl.dpo.label_smoothing, a pair's loss is (TRL's definitions):
+
+    sigmoid  -(1 - eps) log sigmoid(beta z) - eps log sigmoid(-beta z)
+    robust   (-(1 - eps) log sigmoid(beta z) + eps log sigmoid(-beta z)) / (1 - 2 eps)
+    hinge    max(0, 1 - beta z)
+    ipo      (z - 1 / (2 beta))^2, z from each answer's per-token mean log-probabilities
+
+The reference (``rl.reference``) runs before the policy in the same micro-batch layout, without gradients and
+without dropout: ``adapter`` is the policy with its LoRA adapters disabled (no second copy: at the first step the
+adapters add exactly zero, so the implicit rewards are exactly 0), ``copy`` a frozen copy of the model as built
+(the same at every resume, as the model is built the same), ``none`` log-probabilities of 0.
+
+The step's figures, TRL's names, are sums over the counted pairs carried in the step's one all-reduce and divided
+by the step's pairs: never a mean of micro-batch means.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, ContextManager, Dict, Iterator, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import Config, DPOConfig
+from .checks import reference_kind
+
+# The step's figures, summed over pairs in this order (metrics.jsonl's keys).
+FIGURES = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+Reference = Callable[[nn.Module, Mapping[str, torch.Tensor]], torch.Tensor]
+
+
+class NoObjective:
+    """task=lm: the model's own loss; the step's all-reduce carries nothing more."""
+
+    reference_passes = 0  # forward passes of the policy's own modules a micro-batch adds (plan mode counts them)
+
+    def begin_step(self, device: torch.device) -> None:
+        pass
+
+    def micro_batch(self, counted: bool) -> ContextManager:
+        return nullcontext()
+
+    def slots(self) -> int:
+        return 0
+
+    def local_stats(self, share: float) -> torch.Tensor:
+        return torch.zeros(0, dtype=torch.float64)
+
+    def take_totals(self, values: Sequence[float], items: float) -> Dict[str, Any]:
+        return {}
+
+
+class DPO(NoObjective):
+    """The loss of a micro-batch of pairs (``HFModel.forward`` calls it with itself and the batch)."""
+
+    def __init__(self, cfg: DPOConfig, reference: Reference):
+        self.beta, self.kind, self.smoothing = float(cfg.beta), cfg.loss, float(cfg.label_smoothing)
+        self.reference = reference
+        self.reference_passes = int(reference is adapter_reference)  # the policy's modules, adapters disabled
+        self.counting = True
+        self._sums = torch.zeros(len(FIGURES), dtype=torch.float64)
+
+    def __call__(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        with torch.no_grad(), evaluation(model):  # the reference first: the policy's activations are the ones kept
+            ref, _ = self.reference(model, batch)
+        logps, tokens = model.answer_logps(batch)
+        if self.kind == "ipo":  # IPO compares each answer's per-token mean log-probability
+            logps, ref = logps / tokens.clamp(min=1), ref / tokens.clamp(min=1)
+        pairs = logps.shape[0] // 2
+        chosen = logps[:pairs] - ref[:pairs]
+        rejected = logps[pairs:] - ref[pairs:]
+        losses = self._losses(chosen - rejected)
+        if self.counting:
+            c, r = self.beta * chosen.detach().double(), self.beta * rejected.detach().double()
+            self._sums += torch.stack([c.sum(), r.sum(), (c > r).double().sum(), (c - r).sum(),
+                                       logps[:pairs].detach().double().sum(), logps[pairs:].detach().double().sum()])
+        return {"loss_sum": losses.sum(), "num_items": torch.tensor(pairs, device=losses.device)}
+
+    def _losses(self, z: torch.Tensor) -> torch.Tensor:
+        beta, eps = self.beta, self.smoothing
+        if self.kind == "sigmoid":
+            return -(1 - eps) * F.logsigmoid(beta * z) - eps * F.logsigmoid(-beta * z)
+        if self.kind == "robust":
+            return (-(1 - eps) * F.logsigmoid(beta * z) + eps * F.logsigmoid(-beta * z)) / (1 - 2 * eps)
+        if self.kind == "hinge":
+            return torch.relu(1 - beta * z)
+        return (z - 1 / (2 * beta)) ** 2  # ipo
+
+    def begin_step(self, device: torch.device) -> None:
+        self._sums = torch.zeros(len(FIGURES), dtype=torch.float64, device=device)
+
+    @contextmanager
+    def micro_batch(self, counted: bool) -> Iterator[None]:
+        """Whether this micro-batch's pairs count in the step's figures (a placeholder's do not)."""
+        self.counting = counted
+        try:
+            yield
+        finally:
+            self.counting = True
+
+    def slots(self) -> int:
+        return len(FIGURES)
+
+    def local_stats(self, share: float) -> torch.Tensor:
+        return self._sums * share
+
+    def take_totals(self, values: Sequence[float], items: float) -> Dict[str, Any]:
+        return {name: (value / items if items > 0 else 0.0) for name, value in zip(FIGURES, values)}
+
+
+@contextmanager
+def evaluation(model: nn.Module) -> Iterator[None]:
+    """The model in eval mode (no dropout) for the reference's pass, then as it was."""
+    training = model.training
+    model.train(False)
+    try:
+        yield
+    finally:
+        model.train(training)
+
+
+def adapter_reference(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple:
+    """The policy with its LoRA adapters (and trainable token rows) disabled: the base model, no second copy."""
+    with model.model.disable_adapter():
+        return model.answer_logps(batch)
+
+
+def no_reference(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple:
+    rows = batch["input_ids"].shape[0]
+    zeros = torch.zeros(rows, dtype=torch.float32, device=batch["input_ids"].device)
+    return zeros, zeros
+
+
+class CopyReference:
+    """A frozen copy of the model as built, held outside the module tree (no state_dict key, never wrapped)."""
+
+    def __init__(self, model: nn.Module):
+        self.body = copy.deepcopy(model.model).requires_grad_(False).eval()
+
+    def __call__(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple:
+        return model.answer_logps(batch, self.body)
+
+
+def build_objective(cfg: Config, module: nn.Module) -> NoObjective:
+    """The task's objective for the strategy's module (``HFModel``), attached as its ``objective``; task=lm: none.
+    Called once the strategy holds the model as built, before a checkpoint is loaded (a copy is of the model as
+    built, at every resume alike)."""
+    if cfg.task != "dpo":
+        return NoObjective()
+    kind = reference_kind(cfg)
+    reference = {"adapter": lambda: adapter_reference, "none": lambda: no_reference,
+                 "copy": lambda: CopyReference(module)}[kind]()
+    module.objective = DPO(cfg.rl.dpo, reference)
+    module.items_are_tokens = False  # the step's items are its pairs: no tokens_per_s
+    return module.objective
+
+
+def objective_of(module: nn.Module) -> NoObjective:
+    """The module's task objective (a DPO), or a NoObjective."""
+    objective = getattr(module, "objective", None)
+    return objective if isinstance(objective, NoObjective) else NoObjective()

@@ -1,0 +1,36 @@
+"""task=dpo's plan numbers (no tensor, no process group): what its objective adds to a step's collectives."""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+from torch import nn
+
+from ..config import BatchPlan, Config
+from ..parallel import dp_plan
+from ..parallel.tp import local_shapes
+from ..precision import Precision
+from .dpo import objective_of
+
+
+def add_step(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision, group: Dict[str, Any],
+             counts: Dict[str, int]) -> None:
+    """The objective's figures ride the step's all-reduce (float64 slots). A reference that is the policy itself
+    (rl.reference=adapter) runs its blocks once more per micro-batch, without gradients: under fsdp with
+    dist.fsdp.reshard=micro_batch each block is gathered again for it (the root, gathered for the whole forward,
+    is not), and with dist.fsdp.prefetch > 0 one block more is gathered ahead for each reference pass (under
+    reshard=step once a step), whatever the reshard (measured: 2 and 3 blocks, prefetch 0 and 1, each reshard)."""
+    objective = objective_of(model)
+    counts["step_allreduce_bytes"] += objective.slots() * 8
+    passes = objective.reference_passes
+    if not passes or not dp_plan.sharded_by_fsdp(cfg):
+        return
+    cut = local_shapes(model, cfg.dist.tp)
+    blocks = [dp_plan.unit_bytes(unit, plan.mesh.shard, precision, cut)[0] for unit in group["units"][:-1]]
+    again = passes * plan.accum_steps
+    if cfg.dist.fsdp.reshard == "micro_batch":
+        for gathered in blocks:
+            dp_plan.add_unit_comm(counts, plan.mesh, gathered, 0, again, 0)
+    if cfg.dist.fsdp.prefetch > 0 and blocks:  # reshard=step gathers the blocks once a step: once
+        dp_plan.add_unit_comm(counts, plan.mesh, blocks[0], 0, passes if cfg.dist.fsdp.reshard == "step" else again,
+                              0)

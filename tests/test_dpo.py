@@ -1,0 +1,237 @@
+"""task=dpo: the update over a step's preference pairs is the one big batch of them gives, whatever the split.
+
+2 ranks x micro-batches of 1 pair x 4 accumulation steps against one process with the step's 8 pairs in one
+micro-batch (16 rows, padded to the longest), a tiny Llama built from its configuration, SGD for 3 steps: every
+step's gradients, the weights after them and the step's figures (rewards, accuracies, log-probabilities) within
+SCALE_TOL of their scale, under ddp and fsdp, a full model against a frozen copy of itself and against no
+reference, and LoRA adapters against the model with its adapters disabled. The implicit rewards are exactly 0 at
+the first step where the reference is the policy as built. The losses against their closed forms; the refusals
+name their key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_trainer.config import ConfigError, DPOConfig, RLConfig, TPConfig
+from dist_trainer.data import epoch_batches
+from dist_trainer.rl.dpo import FIGURES
+from dist_trainer.validation import validate
+from helpers import SCALE_TOL, assert_all_close_scaled, job_record, run_jobs
+from test_accumulation import in_one_process, launch_clean
+from test_hf_chat import chat_model, write_jsonl
+from test_hf_models import _full, config
+
+STEPS, GLOBAL = 3, 8
+LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": None}
+
+
+def preference_records(n: int, seed: int = 0) -> list:
+    """Sums: the right answer chosen, a wrong one rejected; answers of 1 to 12 repeats (rows of unequal length);
+    a third as message lists (TRL's conversational form), some with a system turn."""
+    r = random.Random(seed)
+    out = []
+    for i in range(n):
+        a, b, off = r.randint(0, 99), r.randint(0, 99), r.randint(1, 9)
+        right, wrong = f"{a + b}. " * r.choice([1, 2, 12]), f"{a + b + off}. " * r.choice([1, 3])
+        prompt = f"What is {a}+{b}?"
+        if i % 3:
+            out.append({"prompt": prompt, "chosen": right, "rejected": wrong})
+        else:
+            turns = [{"role": "system", "content": "You add numbers."}] if i % 2 else []
+            out.append({"prompt": turns + [{"role": "user", "content": prompt}],
+                        "chosen": [{"role": "assistant", "content": right}],
+                        "rejected": [{"role": "assistant", "content": wrong}]})
+    return out
+
+
+def pair_data(files: list, cache: Path) -> dict:
+    return {"_target_": "dist_trainer.data.hf_preference.hf_preference", "files": [str(f) for f in files],
+            "tokenizer": "bytes", "block_size": 256, "cache_dir": str(cache), "shuffle": True}
+
+
+def dpo_config(files: list, cache: Path, micro: int, reference: str, strategy: str = "ddp", lora: bool = False,
+               loss: str = "sigmoid", smoothing: float = 0.0):
+    model = {**chat_model(), **({"lora": dict(LORA)} if lora else {})}
+    cfg = config(model, pair_data(files, cache), micro, strategy, steps=STEPS)
+    cfg.optim = dataclasses.replace(cfg.optim, lr=0.1)
+    cfg.batch.global_batch_size = GLOBAL
+    cfg.task = "dpo"
+    cfg.rl = RLConfig(reference=reference, dpo=DPOConfig(beta=0.5, loss=loss, label_smoothing=smoothing))
+    return cfg
+
+
+def _record(env, world: int, name: str, cfg) -> dict:
+    from dist_trainer.run import build
+
+    parts = build(cfg, validate(cfg, world), env)
+    module, rec = parts.trainer.module, {"grads": [], "outcomes": []}
+    batches = epoch_batches(parts.train_set, parts.step_plan, 0, 0, 0, False)
+    for step, (window, micro_batches) in zip(range(1, STEPS + 1), batches):
+        outcome = parts.trainer.train_step(micro_batches, window, step)
+        assert not outcome.skipped
+        rec["outcomes"].append({"loss": outcome.loss, "items": outcome.items, **outcome.rl})
+        rec.setdefault("comm", []).append(outcome.comm)
+        rec["grads"].append({n: _full(p.grad) for n, p in module.named_parameters() if p.requires_grad})
+    rec["params"] = {n: _full(p) for n, p in module.named_parameters() if p.requires_grad}
+    return rec
+
+
+def _worker(rank: int, world: int, jobs: list) -> dict:
+    return run_jobs(rank, world, jobs, _record)
+
+
+# (name, reference, strategy, lora): the one-process reference is the name's first part under ddp
+SPLITS = [("copy/ddp", "copy", "ddp", False), ("none/fsdp", "none", "fsdp", False),
+          ("adapter/ddp", "adapter", "ddp", True), ("adapter/fsdp", "adapter", "fsdp", True)]
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dpo")
+    return [str(write_jsonl(root / "pairs.jsonl", preference_records(48, seed=2)))], root / "cache"
+
+
+@pytest.fixture(scope="module")
+def runs(pairs, tmp_path_factory):
+    files, cache = pairs
+    refs = [(kind, dpo_config(files, cache, GLOBAL, kind, lora=kind == "adapter")) for kind in ("copy", "none", "adapter")]
+    one = in_one_process(_worker, refs)
+    two = launch_clean(_worker, 2, tmp_path_factory.mktemp("dpo2"), [
+        (name, dpo_config(files, cache, 1, kind, strategy, lora)) for name, kind, strategy, lora in SPLITS])
+    return one, two
+
+
+@pytest.mark.parametrize("name", [name for name, *_ in SPLITS])
+def test_dpo_split_equals_one_big_batch_of_pairs(runs, name):
+    one, two = runs
+    ref = job_record(one, name.split("/")[0])
+    for rank, results in enumerate(two):
+        got = job_record(results, name)
+        trained = list(got["grads"][0])
+        assert trained and (all("lora_" in n for n in trained) if "adapter" in name else len(trained) > 10)
+        for step, (a, b) in enumerate(zip(got["outcomes"], ref["outcomes"]), 1):
+            assert a["items"] == b["items"] == GLOBAL, (name, step)  # the step's pairs
+            for key in b:
+                assert a[key] == pytest.approx(b[key], rel=SCALE_TOL, abs=SCALE_TOL), f"{name} {key} at step {step}"
+            assert_all_close_scaled(got["grads"][step - 1], ref["grads"][step - 1], f"{name} rank {rank} step {step}")
+        assert_all_close_scaled(got["params"], ref["params"], f"{name} rank {rank} weights after step {STEPS}")
+    assert ref["outcomes"][-1]["rewards/margins"] != 0.0  # the policy has moved away from its reference
+
+
+@pytest.mark.parametrize("kind", ["copy", "adapter"])
+def test_the_implicit_rewards_are_exactly_zero_at_the_first_step(runs, kind):
+    """The reference is the policy as built: at step 1 both log-probabilities are the same numbers, so every
+    reward and margin is exactly 0, no pair is counted right, and the sigmoid loss is log 2."""
+    one, two = runs
+    firsts = [job_record(one, kind)["outcomes"][0]] + [job_record(r, f"{kind}/{s}")["outcomes"][0]
+                                                       for r in two for s in ("ddp", "fsdp") if f"{kind}/{s}" in r]
+    for first in firsts:
+        assert first["rewards/chosen"] == first["rewards/rejected"] == first["rewards/margins"] == 0.0, first
+        assert first["rewards/accuracies"] == 0.0 and first["logps/chosen"] < 0 and first["logps/rejected"] < 0
+        assert first["loss"] == pytest.approx(math.log(2), rel=1e-6)
+
+
+@pytest.mark.parametrize("name", [name for name, *_ in SPLITS])
+def test_every_step_issues_what_plan_mode_predicts(runs, pairs, name):
+    """The reference's pass is a forward more per micro-batch: under fsdp its blocks are gathered again."""
+    from dist_trainer.plan import plan_numbers
+
+    _, kind, strategy, lora = next(s for s in SPLITS if s[0] == name)
+    cfg = dpo_config(*pairs, 1, kind, strategy, lora)
+    step = plan_numbers(cfg, validate(cfg, 2))["step"]
+    for rank, results in enumerate(runs[1]):
+        for number, comm in enumerate(job_record(results, name)["comm"][1:], 2):
+            assert {k: comm.get(k, 0) for k in step} == step, (name, rank, number)
+
+
+def test_each_loss_is_its_closed_form():
+    from dist_trainer.rl.dpo import DPO
+
+    z = torch.tensor([-2.0, -0.3, 0.0, 0.4, 3.0], dtype=torch.float64)
+    beta, eps = 0.5, 0.1
+    sig = lambda x: 1 / (1 + torch.exp(-x))  # noqa: E731
+    want = {"sigmoid": -(1 - eps) * torch.log(sig(beta * z)) - eps * torch.log(sig(-beta * z)),
+            "robust": (-(1 - eps) * torch.log(sig(beta * z)) + eps * torch.log(sig(-beta * z))) / (1 - 2 * eps),
+            "hinge": torch.clamp(1 - beta * z, min=0), "ipo": (z - 1 / (2 * beta)) ** 2}
+    for kind, expected in want.items():
+        smoothing = eps if kind in ("sigmoid", "robust") else 0.0
+        got = DPO(DPOConfig(beta=beta, loss=kind, label_smoothing=smoothing), None)._losses(z)
+        assert torch.allclose(got, expected, rtol=1e-12, atol=1e-12), kind
+
+
+def _refused(cfg, world: int = 2) -> str:
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, world)
+    return str(err.value)
+
+
+def test_what_dpo_cannot_run_under_names_the_key(pairs):
+    files, cache = pairs
+    base = lambda **kw: dpo_config(files, cache, 1, "copy", **kw)  # noqa: E731
+    cfg = base()
+    cfg.task = "grpo"
+    assert "task='grpo'" in _refused(cfg)
+    cfg = base()
+    cfg.rl = RLConfig(reference="adapter")
+    assert "rl.reference='adapter'" in _refused(cfg) and "model.lora.r" in _refused(cfg)
+    for dpo, key in ((DPOConfig(beta=0.0), "rl.dpo.beta"), (DPOConfig(loss="kto"), "rl.dpo.loss"),
+                     (DPOConfig(label_smoothing=0.5), "rl.dpo.label_smoothing"),
+                     (DPOConfig(loss="hinge", label_smoothing=0.1), "rl.dpo.label_smoothing")):
+        cfg = base()
+        cfg.rl = RLConfig(dpo=dpo)
+        assert key in _refused(cfg)
+    cfg = base()
+    cfg.dist = dataclasses.replace(cfg.dist, tp=TPConfig(size=2))
+    assert "dist.tp.size=2" in _refused(cfg)
+    cfg = base()
+    cfg.model = {**cfg.model, "loss": {"chunked": True}}
+    assert "model.loss.chunked" in _refused(cfg)
+    assert "rl.reference='copy'" in _refused(base(strategy="fsdp"))  # held whole: not under fsdp yet
+    cfg = base()
+    cfg.data = {"_target_": "dist_trainer.data.hf_chat.hf_chat", "files": files}
+    assert "data=hf_preference" in _refused(cfg)
+    cfg = base()
+    cfg.task = "lm"
+    assert "task=dpo" in _refused(cfg)
+
+
+# ------------------------------------------------------------------------------------------ the command line
+
+def _cli(pairs_file: Path, run_dir: Path, steps: int, *extra: str) -> list:
+    return ["task=dpo", "data=hf_preference", f"data.files=[{pairs_file}]", "data.tokenizer=bytes",
+            f"data.cache_dir={run_dir.parent / 'cache'}", "model=hf_causal_lm", "model.model_type=llama",
+            "+model.config={hidden_size:32,num_hidden_layers:2,num_attention_heads:4,num_key_value_heads:2,"
+            "intermediate_size:64}", "batch.micro_batch_size=2", "batch.global_batch_size=8",
+            f"trainer.max_steps={steps}", "trainer.ckpt_every=2", "trainer.eval_every=0", "optim.warmup_steps=0",
+            "optim.schedule=constant", f"hydra.run.dir={run_dir}", *extra]
+
+
+@pytest.mark.slow  # three 2-rank torchrun jobs: about 40 s
+def test_a_dpo_run_resumes_bit_identically_against_a_copy_built_again(tmp_path):
+    """The frozen copy is not in the checkpoint: a resumed run builds the model as built before and copies it,
+    so the run after the resume is the straight run's, bit for bit; metrics.jsonl holds the step's figures."""
+    from test_checkpoint import metrics, run
+
+    pairs_file = write_jsonl(tmp_path / "pairs.jsonl", preference_records(64, seed=1))
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    ref = run(_cli(pairs_file, whole, 6), tmp_path, nproc=2)
+    assert ref.returncode == 0, ref.output[-4000:]
+    first = run(_cli(pairs_file, split, 4), tmp_path, nproc=2)
+    assert first.returncode == 0, first.output[-4000:]
+    second = run(_cli(pairs_file, split, 6), tmp_path, nproc=2)
+    assert second.returncode == 0, second.output[-4000:]
+    assert "resuming from" in second.output and "(step 4)" in second.output
+    got, want = (torch.load(d / "final_model.pt", weights_only=True) for d in (split, whole))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    records = metrics(whole)
+    assert [r["loss"] for r in metrics(split)] == [r["loss"] for r in records]
+    assert records[0]["rewards/margins"] == 0.0 and records[0]["loss"] == pytest.approx(math.log(2), rel=1e-6)
+    assert records[-1]["rewards/margins"] != 0.0 and set(FIGURES) <= set(records[-1])
+    assert "tokens_per_s" not in records[-1]  # the items are pairs
