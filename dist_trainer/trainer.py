@@ -234,7 +234,7 @@ class Trainer:
         """The objective's figures and MoE's expert counts start from zero; where the global aux term needs the
         counts before the first backward, the window's forward passes run first without gradients to count them,
         summed over ranks."""
-        self.objective.begin_step(self.env.device)
+        self.objective.begin_step(self.env.device, batches, counted, self._all_reduce)
         self.routing.begin_step(self.env.device)
         if self.routing.needs_prepass(len(counted), self.plan.data_ranks):
             self.routing.count_window(lambda: self.forward_window(batches, counted), self._reduce_counts,

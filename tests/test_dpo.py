@@ -57,13 +57,14 @@ def pair_data(files: list, cache: Path) -> dict:
 
 
 def dpo_config(files: list, cache: Path, micro: int, reference: str, strategy: str = "ddp", lora: bool = False,
-               loss: str = "sigmoid", smoothing: float = 0.0):
+               loss: str = "sigmoid", smoothing: float = 0.0, sft: float = 0.0):
     model = {**chat_model(), **({"lora": dict(LORA)} if lora else {})}
     cfg = config(model, pair_data(files, cache), micro, strategy, steps=STEPS)
     cfg.optim = dataclasses.replace(cfg.optim, lr=0.1)
     cfg.batch.global_batch_size = GLOBAL
     cfg.task = "dpo"
-    cfg.rl = RLConfig(reference=reference, dpo=DPOConfig(beta=0.5, loss=loss, label_smoothing=smoothing))
+    cfg.rl = RLConfig(reference=reference, dpo=DPOConfig(beta=0.5, loss=loss, label_smoothing=smoothing,
+                                                           sft_weight=sft))
     return cfg
 
 
@@ -88,8 +89,19 @@ def _worker(rank: int, world: int, jobs: list) -> dict:
 
 
 # (name, reference, strategy, lora): the one-process reference is the name's first part under ddp
-SPLITS = [("copy/ddp", "copy", "ddp", False), ("none/fsdp", "none", "fsdp", False),
-          ("adapter/ddp", "adapter", "ddp", True), ("adapter/fsdp", "adapter", "fsdp", True)]
+# Each one-process reference job's keys, by the name's first part. sft: RPO's NLL on the chosen answers, token-weighted
+# over the step, with IPO's loss on the adapters.
+REFS = {"copy": {"reference": "copy"}, "none": {"reference": "none"}, "adapter": {"reference": "adapter", "lora": True},
+        "sft": {"reference": "adapter", "lora": True, "loss": "ipo", "sft": 0.5}}
+
+
+def split_config(files: list, cache: Path, name: str):
+    """The 2-rank job ``name`` (REFS' keys under ``name``'s strategy), micro-batches of one pair."""
+    kind, strategy = name.split("/")
+    return dpo_config(files, cache, 1, strategy=strategy, **REFS[kind])
+
+
+SPLITS = ["copy/ddp", "none/fsdp", "sft/fsdp", "adapter/ddp", "adapter/fsdp"]
 
 
 @pytest.fixture(scope="module")
@@ -101,21 +113,22 @@ def pairs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(pairs, tmp_path_factory):
     files, cache = pairs
-    refs = [(kind, dpo_config(files, cache, GLOBAL, kind, lora=kind == "adapter")) for kind in ("copy", "none", "adapter")]
+    refs = [(kind, dpo_config(files, cache, GLOBAL, **keys)) for kind, keys in REFS.items()]
     one = in_one_process(_worker, refs)
     two = launch_clean(_worker, 2, tmp_path_factory.mktemp("dpo2"), [
-        (name, dpo_config(files, cache, 1, kind, strategy, lora)) for name, kind, strategy, lora in SPLITS])
+        (name, split_config(files, cache, name)) for name in SPLITS])
     return one, two
 
 
-@pytest.mark.parametrize("name", [name for name, *_ in SPLITS])
+@pytest.mark.parametrize("name", SPLITS)
 def test_dpo_split_equals_one_big_batch_of_pairs(runs, name):
     one, two = runs
     ref = job_record(one, name.split("/")[0])
     for rank, results in enumerate(two):
         got = job_record(results, name)
         trained = list(got["grads"][0])
-        assert trained and (all("lora_" in n for n in trained) if "adapter" in name else len(trained) > 10)
+        lora = REFS[name.split("/")[0]].get("lora")
+        assert trained and (all("lora_" in n for n in trained) if lora else len(trained) > 10)
         for step, (a, b) in enumerate(zip(got["outcomes"], ref["outcomes"]), 1):
             assert a["items"] == b["items"] == GLOBAL, (name, step)  # the step's pairs
             for key in b:
@@ -123,6 +136,7 @@ def test_dpo_split_equals_one_big_batch_of_pairs(runs, name):
             assert_all_close_scaled(got["grads"][step - 1], ref["grads"][step - 1], f"{name} rank {rank} step {step}")
         assert_all_close_scaled(got["params"], ref["params"], f"{name} rank {rank} weights after step {STEPS}")
     assert ref["outcomes"][-1]["rewards/margins"] != 0.0  # the policy has moved away from its reference
+    assert ("nll_loss" in ref["outcomes"][0]) == name.startswith("sft")  # the chosen answers' NLL, per token
 
 
 @pytest.mark.parametrize("kind", ["copy", "adapter"])
@@ -138,13 +152,12 @@ def test_the_implicit_rewards_are_exactly_zero_at_the_first_step(runs, kind):
         assert first["loss"] == pytest.approx(math.log(2), rel=1e-6)
 
 
-@pytest.mark.parametrize("name", [name for name, *_ in SPLITS])
+@pytest.mark.parametrize("name", SPLITS)
 def test_every_step_issues_what_plan_mode_predicts(runs, pairs, name):
     """The reference's pass is a forward more per micro-batch: under fsdp its blocks are gathered again."""
     from dist_trainer.plan import plan_numbers
 
-    _, kind, strategy, lora = next(s for s in SPLITS if s[0] == name)
-    cfg = dpo_config(*pairs, 1, kind, strategy, lora)
+    cfg = split_config(*pairs, name)
     step = plan_numbers(cfg, validate(cfg, 2))["step"]
     for rank, results in enumerate(runs[1]):
         for number, comm in enumerate(job_record(results, name)["comm"][1:], 2):

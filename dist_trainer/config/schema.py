@@ -322,6 +322,8 @@ class DPOConfig:
     # sigmoid (DPO's), ipo (on the answers' per-token mean logps), hinge (SLiC's), robust (with label_smoothing)
     loss: str = "sigmoid"
     label_smoothing: float = 0.0  # sigmoid and robust: the assumed fraction of flipped labels, in [0, 0.5)
+    # The weight of an NLL term on the chosen answers (RPO's), token-weighted over all the step's chosen tokens
+    sft_weight: float = 0.0
 
 
 @dataclass

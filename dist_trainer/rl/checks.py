@@ -43,6 +43,8 @@ def check_task(cfg: Config) -> None:
             "must be in [0, 0.5)")
     require(smoothing == 0 or dpo.loss in ("sigmoid", "robust"), "rl.dpo.label_smoothing", smoothing,
             f"applies to rl.dpo.loss=sigmoid or robust, not {dpo.loss}")
+    require(isinstance(dpo.sft_weight, (int, float)) and not isinstance(dpo.sft_weight, bool) and dpo.sft_weight >= 0,
+            "rl.dpo.sft_weight", dpo.sft_weight, "must be a number >= 0 (0: no NLL term)")
 
 
 def check_task_mesh(cfg: Config, mesh: MeshShape) -> None:

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import Config, DPOConfig
+from ..data.builtin import IGNORE_INDEX
 from .checks import reference_kind
 
 # The step's figures, summed over pairs in this order (metrics.jsonl's keys).
@@ -46,7 +47,8 @@ class NoObjective:
 
     reference_passes = 0  # forward passes of the policy's own modules a micro-batch adds (plan mode counts them)
 
-    def begin_step(self, device: torch.device) -> None:
+    def begin_step(self, device: torch.device, batches: Sequence[Mapping[str, torch.Tensor]],
+                   counted: Sequence[bool], all_reduce: Callable[[torch.Tensor], None]) -> None:
         pass
 
     def micro_batch(self, counted: bool) -> ContextManager:
@@ -67,26 +69,34 @@ class DPO(NoObjective):
 
     def __init__(self, cfg: DPOConfig, reference: Reference):
         self.beta, self.kind, self.smoothing = float(cfg.beta), cfg.loss, float(cfg.label_smoothing)
+        self.sft_weight = float(cfg.sft_weight)
+        self.figures = FIGURES + (("nll_loss",) if self.sft_weight else ())
+        self.pairs_per_token = 0.0  # the step's pairs over its chosen tokens, all ranks (with sft_weight)
         self.reference = reference
         self.reference_passes = int(reference is adapter_reference)  # the policy's modules, adapters disabled
         self.counting = True
-        self._sums = torch.zeros(len(FIGURES), dtype=torch.float64)
+        self._sums = torch.zeros(len(self.figures), dtype=torch.float64)
 
     def __call__(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         with torch.no_grad(), evaluation(model):  # the reference first: the policy's activations are the ones kept
             ref, _ = self.reference(model, batch)
         logps, tokens = model.answer_logps(batch)
+        pairs = logps.shape[0] // 2
+        # RPO's NLL on the chosen answers over the step's chosen tokens: the trainer divides every micro-batch's sum
+        # by the step's pairs, so a token's term is weighted by pairs / tokens of the whole step (begin_step)
+        nll = -logps[:pairs].sum() * self.pairs_per_token
         if self.kind == "ipo":  # IPO compares each answer's per-token mean log-probability
             logps, ref = logps / tokens.clamp(min=1), ref / tokens.clamp(min=1)
-        pairs = logps.shape[0] // 2
         chosen = logps[:pairs] - ref[:pairs]
         rejected = logps[pairs:] - ref[pairs:]
         losses = self._losses(chosen - rejected)
         if self.counting:
             c, r = self.beta * chosen.detach().double(), self.beta * rejected.detach().double()
-            self._sums += torch.stack([c.sum(), r.sum(), (c > r).double().sum(), (c - r).sum(),
-                                       logps[:pairs].detach().double().sum(), logps[pairs:].detach().double().sum()])
-        return {"loss_sum": losses.sum(), "num_items": torch.tensor(pairs, device=losses.device)}
+            sums = [c.sum(), r.sum(), (c > r).double().sum(), (c - r).sum(), logps[:pairs].detach().double().sum(),
+                    logps[pairs:].detach().double().sum()] + ([nll.detach().double()] if self.sft_weight else [])
+            self._sums += torch.stack(sums)
+        loss_sum = losses.sum() + self.sft_weight * nll if self.sft_weight else losses.sum()
+        return {"loss_sum": loss_sum, "num_items": torch.tensor(pairs, device=losses.device)}
 
     def _losses(self, z: torch.Tensor) -> torch.Tensor:
         beta, eps = self.beta, self.smoothing
@@ -98,8 +108,21 @@ class DPO(NoObjective):
             return torch.relu(1 - beta * z)
         return (z - 1 / (2 * beta)) ** 2  # ipo
 
-    def begin_step(self, device: torch.device) -> None:
-        self._sums = torch.zeros(len(FIGURES), dtype=torch.float64, device=device)
+    def begin_step(self, device: torch.device, batches: Sequence[Mapping[str, torch.Tensor]],
+                   counted: Sequence[bool], all_reduce: Callable[[torch.Tensor], None]) -> None:
+        """The figures from zero; with sft_weight the step's pairs and chosen tokens, every counted micro-batch of
+        every rank, in one all-reduce (float64: exact counts)."""
+        self._sums = torch.zeros(len(self.figures), dtype=torch.float64, device=device)
+        if not self.sft_weight:
+            return
+        totals = torch.zeros(2, dtype=torch.float64, device=device)
+        for batch, count in zip(batches, counted):
+            if count:
+                pairs = batch["labels"].shape[0] // 2
+                totals[0] += pairs
+                totals[1] += (batch["labels"][:pairs, 1:] != IGNORE_INDEX).sum()
+        all_reduce(totals)
+        self.pairs_per_token = (totals[0] / totals[1].clamp(min=1)).item()
 
     @contextmanager
     def micro_batch(self, counted: bool) -> Iterator[None]:
@@ -111,13 +134,13 @@ class DPO(NoObjective):
             self.counting = True
 
     def slots(self) -> int:
-        return len(FIGURES)
+        return len(self.figures)
 
     def local_stats(self, share: float) -> torch.Tensor:
         return self._sums * share
 
     def take_totals(self, values: Sequence[float], items: float) -> Dict[str, Any]:
-        return {name: (value / items if items > 0 else 0.0) for name, value in zip(FIGURES, values)}
+        return {name: (value / items if items > 0 else 0.0) for name, value in zip(self.figures, values)}
 
 
 @contextmanager

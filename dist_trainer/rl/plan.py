@@ -22,6 +22,9 @@ def add_step(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precisio
     reshard=step once a step), whatever the reshard (measured: 2 and 3 blocks, prefetch 0 and 1, each reshard)."""
     objective = objective_of(model)
     counts["step_allreduce_bytes"] += objective.slots() * 8
+    if getattr(objective, "sft_weight", 0):  # the step's pairs and chosen tokens, before its first backward
+        counts["step_allreduces"] += 1
+        counts["step_allreduce_bytes"] += 16
     passes = objective.reference_passes
     if not passes or not dp_plan.sharded_by_fsdp(cfg):
         return
