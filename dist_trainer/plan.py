@@ -169,7 +169,9 @@ def group_numbers(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Pre
             "ckpt_staging_mb": expected_staging_bytes(cfg, g["staged"], g["buffer_bytes"], mesh.shard, cut,
                                                       muon) / MIB,
             "load_host_peak_mb": expected_load_bytes(cfg, mesh, model, cut, g["holds"]) / MIB,
-            "frozen_mb": dp_plan.frozen_bytes(cfg, g["holds"], mesh.shard, cut) / MIB,
+            # a LoRA base, and a reference copy (task=dpo): held through the run beside the state
+            "frozen_mb": (dp_plan.frozen_bytes(cfg, g["holds"], mesh.shard, cut)
+                          + rl_plan.reference_bytes(cfg, g["holds"], mesh.shard, cut)) / MIB,
             "muon_ns_flops": optim_plan.muon_ns_flops(cfg, mesh, model, {id(p) for p in g["trained"]})}
 
 

@@ -190,6 +190,7 @@ def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
     # library and allocates nothing the model keeps).
     if cfg.precision.name in fp8.RECIPES:  # torchao's import is not the model's memory: before the measure
         fp8.import_torchao(cfg.precision.name)
+    rng = torch.get_rng_state()  # the model's initial draws: a reference copy built later repeats them
     with hostmem.PhasePeak() as built:
         model, materialise = construct.build(make, sharded, env.device,
                                              log.warning if env.is_main else lambda _: None, whole, source)
@@ -197,7 +198,10 @@ def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
         if cfg.precision.name in fp8.RECIPES:  # float8 linears first: every parallelism wraps them as it would a Linear
             fp8.convert(model, cfg.precision.fp8, cfg.precision.name, env.device.type)
         strategy = build_strategy(model, env, cfg.dist, mesh, precision, cfg.trainer.compile, materialise)
-        build_objective(cfg, strategy.module)  # task=dpo: its reference (a copy: of the model as built)
+        # task=dpo: its reference (a copy: of the model as built; where the model is cut, built again and cut alike)
+        copy_of = (lambda: reference_copy(cfg, env, strategy, precision, rng, sharded, (make, whole, source))
+                   ) if mesh.cuts_model else None
+        build_objective(cfg, strategy.module, copy_of)
         if materialise is not None:  # a frozen base built on the meta device: its digest from the shards
             frozen = sharded_frozen_digest(strategy.module, env.device)
     load_mb = materialise.mb if materialise is not None else built.mb
@@ -219,6 +223,23 @@ def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
     np.random.seed(seed % 2**32)
     return Parts(trainer, step_plan, train_set, eval_set, dict(cfg.model), frozen, cfg.trainer.seed,
                  materialise is not None, load_mb, built.before_mb)
+
+
+def reference_copy(cfg: Config, env: DistEnv, strategy: Any, precision: Precision, rng: torch.Tensor, sharded: bool,
+                   builders: tuple) -> Any:
+    """rl.reference=copy where the strategy cuts the model: the model built once more from the same draws (or
+    files), frozen and sharded as the policy is (parallel.fsdp.FrozenShards); the policy's own state untouched."""
+    from .parallel.fsdp import FrozenShards
+
+    state = torch.get_rng_state()
+    torch.set_rng_state(rng)
+    make, whole, source = builders
+    copy, materialise = construct.build(make, sharded, env.device, lambda _: None, whole, source)
+    torch.set_rng_state(state)
+    if cfg.precision.name in fp8.RECIPES:  # the policy's linears are float8: the copy's alike
+        fp8.convert(copy, cfg.precision.fp8, cfg.precision.name, env.device.type)
+    precision.fp32_norms(copy)
+    return FrozenShards(copy, env, cfg.dist, strategy.mesh, precision, strategy.dmesh, materialise)
 
 
 def sharded_frozen_digest(module: nn.Module, device: torch.device) -> Optional[str]:

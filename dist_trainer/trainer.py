@@ -221,8 +221,12 @@ class Trainer:
         return self.precision.scaler.scale / self.loss_divisor
 
     def _comm(self) -> Dict[str, int]:
-        """Every collective counted so far: the strategy's, the step's own, the optimizer's."""
-        return {**self.strategy.comm(), **self.own_comm, **self.optimizer_comm()}
+        """Every collective counted so far: the strategy's (with the objective's: a sharded reference copy's
+        gathers), the step's own, the optimizer's."""
+        counts = dict(self.strategy.comm())
+        for key, value in self.objective.comm().items():
+            counts[key] = counts.get(key, 0) + value
+        return {**counts, **self.own_comm, **self.optimizer_comm()}
 
     def _comm_since(self, comm0: Dict[str, int]) -> Dict[str, Any]:
         """The step's collectives, by kind; DDP's gradient all-reduces also on their own."""

@@ -246,6 +246,32 @@ def set_prefetch(blocks: List[nn.Module], units: List[nn.Module], ahead: int) ->
         block.set_modules_to_backward_prefetch(list(reversed(blocks[max(i - ahead, 0):i])))
 
 
+class FrozenShards:
+    """A frozen model sharded over ``dmesh`` as the fsdp strategy shards its own (each block a unit, then the
+    root), for forward passes without gradients (rl.reference=copy): each unit gathered when it runs and freed
+    after its forward, none gathered ahead, its all-gathers counted (``comm``)."""
+
+    def __init__(self, model: nn.Module, env: DistEnv, cfg: DistConfig, mesh: MeshShape, precision: Precision,
+                 dmesh: DeviceMesh, materialise: Optional[Callable[[nn.Module], None]] = None):
+        from .blocks import find_blocks
+
+        model = (model if materialise is not None else model.to(env.device)).requires_grad_(False)
+        blocks = find_blocks(model, cfg.blocks)
+        policy = mp_policy(precision)
+        for block in blocks:
+            fully_shard(block, mesh=dmesh, reshard_after_forward=True, mp_policy=policy)
+        fully_shard(model, mesh=dmesh, reshard_after_forward=True, mp_policy=policy)
+        if materialise is not None:
+            materialise(model)
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        set_prefetch(blocks, units, 0)
+        self.meter, self.counter = count_units(units, mesh.replicate)
+        self.module = model.eval()
+
+    def comm(self) -> Dict[str, int]:
+        return dict(self.counter.counts)
+
+
 class FSDPStrategy:
     """Parameters, gradients and optimizer state sharded over each shard group (FSDP2)."""
 
@@ -259,7 +285,7 @@ class FSDPStrategy:
         # are cut again over their edp ranks, as FSDP units of their own (moe/ep.py).
         applied = parallelize(model, mesh, cfg, env, tp_mesh, compile, sharded_experts=mesh.shards_experts)
         self.tp, self.cp, self.ep, blocks = applied.tp, applied.cp, applied.ep, applied.blocks
-        self.mesh, self.device = mesh, env.device
+        self.mesh, self.device, self.dmesh = mesh, env.device, dmesh
         policy = mp_policy(precision)
         self.reshard = cfg.fsdp.reshard
         after_forward = self.reshard == "micro_batch"  # given explicitly, to the root too

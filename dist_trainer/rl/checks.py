@@ -59,6 +59,3 @@ def check_task_mesh(cfg: Config, mesh: MeshShape) -> None:
     require(not (isinstance(loss, dict) and loss.get("chunked")), "model.loss.chunked", True,
             f"task={cfg.task} needs each answer's log-probabilities, which the chunked loss does not keep: set "
             "model.loss.chunked=false")
-    require(reference_kind(cfg) != "copy" or not mesh.cuts_model, "rl.reference", cfg.rl.reference,
-            f"copy is held whole on every rank, which dist.strategy={cfg.dist.strategy} does not allow yet: use "
-            "model.lora.r with rl.reference=adapter (no second copy), or rl.reference=none, or dist.strategy=ddp")

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import copy
 from contextlib import contextmanager, nullcontext
-from typing import Any, Callable, ContextManager, Dict, Iterator, Mapping, Sequence
+from typing import Any, Callable, ContextManager, Dict, Iterator, Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +61,10 @@ class NoObjective:
         return torch.zeros(0, dtype=torch.float64)
 
     def take_totals(self, values: Sequence[float], items: float) -> Dict[str, Any]:
+        return {}
+
+    def comm(self) -> Dict[str, int]:
+        """Collectives the objective issued itself (a sharded reference copy's gathers), by metrics key."""
         return {}
 
 
@@ -136,6 +140,10 @@ class DPO(NoObjective):
     def slots(self) -> int:
         return len(self.figures)
 
+    def comm(self) -> Dict[str, int]:
+        comm = getattr(self.reference, "comm", None)
+        return comm() if comm is not None else {}
+
     def local_stats(self, share: float) -> torch.Tensor:
         return self._sums * share
 
@@ -167,24 +175,37 @@ def no_reference(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple:
 
 
 class CopyReference:
-    """A frozen copy of the model as built, held outside the module tree (no state_dict key, never wrapped)."""
+    """A frozen copy of the model as built, held outside the policy's module tree (no state_dict key, never
+    trained): under ddp a deep copy of the policy before its first step; where the strategy cuts the model, the
+    model built once more and sharded alike (``copy``: parallel.fsdp.FrozenShards), its gathers counted here."""
 
-    def __init__(self, model: nn.Module):
-        self.body = copy.deepcopy(model.model).requires_grad_(False).eval()
+    def __init__(self, module: nn.Module, copy_of: Optional[Callable[[], Any]] = None):
+        self.shards = copy_of() if copy_of is not None else None
+        self.copy = self.shards.module if self.shards is not None else copy.deepcopy(module).requires_grad_(False)
+        self.copy.objective = answer_logps  # its forward gives each row's answer log-probability
+        self.copy.eval()
 
     def __call__(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple:
-        return model.answer_logps(batch, self.body)
+        return self.copy(batch)
+
+    def comm(self) -> Dict[str, int]:
+        return self.shards.comm() if self.shards is not None else {}
 
 
-def build_objective(cfg: Config, module: nn.Module) -> NoObjective:
+def answer_logps(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple:
+    return model.answer_logps(batch)
+
+
+def build_objective(cfg: Config, module: nn.Module, copy_of: Optional[Callable[[], Any]] = None) -> NoObjective:
     """The task's objective for the strategy's module (``HFModel``), attached as its ``objective``; task=lm: none.
     Called once the strategy holds the model as built, before a checkpoint is loaded (a copy is of the model as
-    built, at every resume alike)."""
+    built, at every resume alike). ``copy_of``: where the strategy cuts the model, builds a frozen copy sharded
+    alike (rl.reference=copy); None: a deep copy of ``module``."""
     if cfg.task != "dpo":
         return NoObjective()
     kind = reference_kind(cfg)
     reference = {"adapter": lambda: adapter_reference, "none": lambda: no_reference,
-                 "copy": lambda: CopyReference(module)}[kind]()
+                 "copy": lambda: CopyReference(module, copy_of)}[kind]()
     module.objective = DPO(cfg.rl.dpo, reference)
     module.items_are_tokens = False  # the step's items are its pairs: no tokens_per_s
     return module.objective

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, List
+
+import torch
 
 from torch import nn
 
@@ -10,12 +12,25 @@ from ..config import BatchPlan, Config
 from ..parallel import dp_plan
 from ..parallel.tp import local_shapes
 from ..precision import Precision
+from .checks import reference_kind
 from .dpo import objective_of
+
+
+def reference_bytes(cfg: Config, holds: List[nn.Parameter], shard: int, cut: Dict[int, torch.Size]) -> int:
+    """What a rank holds of a reference copy (rl.reference=copy) of the parameters ``holds``: FP32 shards where
+    FSDP shards the policy, else whole in their dtype (a deep copy of the policy as prepared)."""
+    if cfg.task != "dpo" or reference_kind(cfg) != "copy":
+        return 0
+    unique = {id(p): p for p in holds}.values()
+    if dp_plan.sharded_by_fsdp(cfg):
+        return 4 * sum(dp_plan.shard_elements(p, shard, cut.get(id(p))) for p in unique)
+    return sum(p.numel() * p.element_size() for p in unique)
 
 
 def add_step(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precision, group: Dict[str, Any],
              counts: Dict[str, int]) -> None:
-    """The objective's figures ride the step's all-reduce (float64 slots). A reference that is the policy itself
+    """The objective's figures ride the step's all-reduce (float64 slots). A reference copy under fsdp gathers each
+    of its units once a micro-batch (nothing ahead, resharded after its forward). A reference that is the policy itself
     (rl.reference=adapter) runs its blocks once more per micro-batch, without gradients: under fsdp with
     dist.fsdp.reshard=micro_batch each block is gathered again for it (the root, gathered for the whole forward,
     is not), and with dist.fsdp.prefetch > 0 one block more is gathered ahead for each reference pass (under
@@ -26,9 +41,15 @@ def add_step(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precisio
         counts["step_allreduces"] += 1
         counts["step_allreduce_bytes"] += 16
     passes = objective.reference_passes
-    if not passes or not dp_plan.sharded_by_fsdp(cfg):
+    if not dp_plan.sharded_by_fsdp(cfg):
         return
     cut = local_shapes(model, cfg.dist.tp)
+    if reference_kind(cfg) == "copy" and cfg.task == "dpo":  # its own units, each gathered once a forward
+        for unit in group["units"]:
+            dp_plan.add_unit_comm(counts, plan.mesh, dp_plan.unit_bytes(unit, plan.mesh.shard, precision, cut)[0], 0,
+                                  plan.accum_steps, 0)
+    if not passes:
+        return
     blocks = [dp_plan.unit_bytes(unit, plan.mesh.shard, precision, cut)[0] for unit in group["units"][:-1]]
     again = passes * plan.accum_steps
     if cfg.dist.fsdp.reshard == "micro_batch":
