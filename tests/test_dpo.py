@@ -60,7 +60,7 @@ def dpo_config(files: list, cache: Path, micro: int, reference: str, strategy: s
                loss: str = "sigmoid", smoothing: float = 0.0, sft: float = 0.0):
     model = {**chat_model(), **({"lora": dict(LORA)} if lora else {})}
     cfg = config(model, pair_data(files, cache), micro, strategy, steps=STEPS)
-    cfg.optim = dataclasses.replace(cfg.optim, lr=0.1)
+    cfg.optim = dataclasses.replace(cfg.optim, lr=0.05)
     cfg.batch.global_batch_size = GLOBAL
     cfg.task = "dpo"
     cfg.rl = RLConfig(reference=reference, dpo=DPOConfig(beta=0.5, loss=loss, label_smoothing=smoothing,
