@@ -25,6 +25,7 @@ from .config import Config, ConfigError
 from .health.console import console_on_main_only, report_error
 from .parallel import ConsistencyError
 from .precision import LossScaleError
+from .rl.publish import PublishError
 from .signals import EXIT_REQUEUE, Preempted, pass_on
 from .trainer import NonFiniteError
 
@@ -119,7 +120,7 @@ def run_job(dict_cfg: DictConfig) -> None:
             return
         train(cfg, run_dir)
     except (ConfigError, LossScaleError, NonFiniteError, ConsistencyError, CheckpointError,
-            CheckpointWriteError) as err:
+            CheckpointWriteError, PublishError) as err:
         report_error(type(err).__name__, str(err))
         _stop(err)
     except Preempted as err:  # said by dist_trainer.run.train, on every rank before any left

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -51,30 +51,47 @@ def save_final_model(strategy: Any, module: nn.Module, run_dir: Path, env: DistE
         _save_whole(strategy.full_state_dict(), module, run_dir, env, step)
         return
     tensors = strategy.full_tensors()  # every rank learns the layout; nothing is gathered yet
-    adapters = None
-    if lora:  # the adapters whole first (small): each base weight is merged with its own as it arrives
-        names = set(hf_export.adapter_names(module))
-        adapters = dict(WholeTensors({n: t for n, t in tensors.local.items() if n in names}, {}, tensors.device))
-    shard_mb = float(os.environ.get(SHARD_MB_ENV) or DEFAULT_SHARD_MB)
+    adapters = whole_adapters(tensors, module) if lora else None
+    failure, writers = walk(tensors, lambda: _writers(tensors, module, run_dir, max_shard_mb(), adapters),
+                            env.is_main, "writing the final model")
+    if env.is_main and failure is None:
+        log.info("final_model.pt%s: the FP32 model (%.3g MiB) written tensor by tensor, the largest %.3g MiB "
+                 "held at once", " and hf_model/" if len(writers) > 1 else "", tensors.nbytes / 2**20,
+                 tensors.largest_bytes / 2**20)
+    _raise_if_failed(failure, run_dir, env, step)
+
+
+def max_shard_mb() -> float:
+    return float(os.environ.get(SHARD_MB_ENV) or DEFAULT_SHARD_MB)
+
+
+def whole_adapters(tensors: WholeTensors, module: nn.Module) -> Dict[str, torch.Tensor]:
+    """A LoRA model's adapters whole on rank 0 (small; a collective, every rank calls it) before the walk, so each
+    base weight is merged with its own as it arrives."""
+    from .hf.export import adapter_names
+
+    names = set(adapter_names(module))
+    return dict(WholeTensors({n: t for n, t in tensors.local.items() if n in names}, {}, tensors.device))
+
+
+def walk(tensors: WholeTensors, make_writers: Callable[[], List[Any]], is_main: bool,
+         what: str) -> Tuple[Optional[str], List[Any]]:
+    """Every rank walks ``tensors`` in full; rank 0 hands each tensor to the writers ``make_writers()`` gives it
+    and closes them at the end, or abandons them once one fails. (None or what failed on rank 0, the writers)."""
     writers: List[Any] = []
     failure: Optional[str] = None
-    if env.is_main:
-        failure = _guard(lambda: writers.extend(_writers(tensors, module, run_dir, shard_mb, adapters)))
+    if is_main:
+        failure = _guard(lambda: writers.extend(make_writers()), what)
     for name, tensor in tensors:  # rank 0 alone gets each tensor; every rank walks to the end
         if failure is None:
-            failure = _guard(lambda: [w.add(name, tensor) for w in writers])
+            failure = _guard(lambda: [w.add(name, tensor) for w in writers], what)
         del tensor
-    if env.is_main and failure is None:
-        failure = _guard(lambda: [w.close() for w in writers])
-    if env.is_main:
-        if failure is not None:
-            for w in writers:
-                w.abandon()
-        else:
-            log.info("final_model.pt%s: the FP32 model (%.3g MiB) written tensor by tensor, the largest %.3g MiB "
-                     "held at once", " and hf_model/" if len(writers) > 1 else "", tensors.nbytes / 2**20,
-                     tensors.largest_bytes / 2**20)
-    _raise_if_failed(failure, run_dir, env, step)
+    if is_main and failure is None:
+        failure = _guard(lambda: [w.close() for w in writers], what)
+    if is_main and failure is not None:
+        for w in writers:
+            w.abandon()
+    return failure, writers
 
 
 class _StateFile:
@@ -120,14 +137,14 @@ def _writers(tensors: WholeTensors, module: nn.Module, run_dir: Path, shard_mb: 
     return writers
 
 
-def _guard(action: Any) -> Optional[str]:
+def _guard(action: Any, what: str = "writing the final model") -> Optional[str]:
     """None, or what failed on rank 0: not raised at once, as the other ranks are still in the walk (and
     waiting for rank 0 in its collectives); ``_raise_if_failed`` raises on every rank after it."""
     try:
         action()
     except Exception as err:
         if not isinstance(err, checkpoint.WRITE_ERRORS):
-            log.exception("writing the final model failed")  # not the disk: the traceback says where
+            log.exception("%s failed", what)  # not the disk: the traceback says where
         return f"{type(err).__name__}: {err}"
     return None
 

@@ -34,6 +34,7 @@ from .models import construct, pretrained
 from .models.hf import TARGETS as HF_TARGETS
 from .moe import inactive_params, routing_of
 from .rl import build_objective
+from .rl.publish import build_publisher
 from . import fp8
 from .optim import build_optimizer, optimizer_line
 from .parallel import build_strategy, check_consistency
@@ -316,8 +317,9 @@ def _train(cfg: Config, plan: BatchPlan, env: DistEnv, run_dir: Path, watch: Wat
     hosts = stragglers.gather_hosts(env.world_size)
     tcfg = cfg.trainer
     saves = background.build(env, tcfg.keep_checkpoints, tcfg.keep_every, tcfg.ckpt_async, cfg.dist.timeout_s)
+    publisher = build_publisher(cfg.rl.publish, parts.trainer.strategy, model, run_dir, env)
     try:
-        summary = _loop(cfg, parts, position, outputs, stop, ckpt_root, watch, hosts, saves)
+        summary = _loop(cfg, parts, position, outputs, stop, ckpt_root, watch, hosts, saves, publisher)
     finally:
         saves.close()
         stop.close()
@@ -420,7 +422,7 @@ def save_with_record(saves: background.BlockingSaves, ckpt_root: checkpoint.Loca
 
 def _loop(cfg: Config, parts: Parts, position: Position, outputs: Outputs, stop: StopRequest,
           ckpt_root: checkpoint.Location, watch: Watchdog, hosts: list,
-          saves: background.BlockingSaves) -> Dict[str, Any]:
+          saves: background.BlockingSaves, publisher: Any) -> Dict[str, Any]:
     trainer, eval_set = parts.trainer, parts.eval_set
     env, plan, tcfg = trainer.env, trainer.plan, cfg.trainer
     num_workers = cfg.data.get("num_workers", 0)
@@ -464,6 +466,9 @@ def _loop(cfg: Config, parts: Parts, position: Position, outputs: Outputs, stop:
                 record["eval_loss"] = evaluate(trainer.module, evals, trainer.precision, env.device, tcfg.compile,
                                                trainer.strategy.evaluation,
                                                getattr(trainer.strategy, "eval_window", None))
+            if publisher.due(step, last):  # rl.publish: the inference server gets this step's weights
+                watch.begin("publish", step)
+                record["publish_s"] = publisher.publish(step)
             # A background save whose write ended on every rank: sealed (its write time), or raised here.
             record.update(saves.after_step(outcome.busy))
             if last or outcome.stop_requested or (tcfg.ckpt_every and step % tcfg.ckpt_every == 0):

@@ -22,7 +22,7 @@ from .moe.ep import check_ep_size
 from .moe.routing import check_moe
 from .optim.muon import check_muon
 from .parallel.checks import check_cp, check_pp, check_pp_window, check_tp
-from .rl.checks import check_task, check_task_mesh
+from .rl.checks import check_publish, check_task, check_task_mesh
 
 log = logging.getLogger("dist_trainer")
 
@@ -219,7 +219,7 @@ def check_optimizer_cuts(cfg: Config, mesh: MeshShape) -> None:
 
 # Each feature's checks, in the order they run. The keys alone, before the mesh is derived:
 KEY_CHECKS = (check_precision, check_batch, check_optim, check_muon, check_optim_state, check_trainer, check_dist,
-              check_tp, check_loggers, check_data, check_pp, check_moe, check_task)
+              check_tp, check_loggers, check_data, check_pp, check_moe, check_task, check_publish)
 # The keys against the mesh, once it is derived:
 MESH_CHECKS = (check_ep_size, check_cp, check_loss, check_fp8, check_optimizer_cuts, check_task_mesh)
 # The keys against the batch plan, once it is derived:

@@ -326,6 +326,24 @@ class DPOConfig:
     sft_weight: float = 0.0
 
 
+PUBLISH_MODES = ("none", "disk", "sglang")
+PUBLISH_DTYPES = ("fp32", "bf16", "fp16")
+
+
+@dataclass
+class PublishConfig:
+    """rl.publish: the policy's weights as Hugging Face directories for an inference server (rl/publish.py)."""
+
+    # none; disk: a Hugging Face directory <dir>/step_<N:08d>/ after the steps it publishes at; sglang: that
+    # directory, then POST <url>/update_weights_from_disk so the server loads it
+    mode: str = "none"
+    every: int = 1  # optimizer steps between publications (>= 1); the last step always publishes
+    dir: Optional[str] = None  # where the versions go; null: the run directory's published/
+    keep: int = 2  # versions kept (>= 1): older ones are deleted once a new one is complete
+    url: Optional[str] = None  # mode=sglang: the server, e.g. http://127.0.0.1:30000 (required there only)
+    dtype: str = "fp32"  # what the served tensors are cast to: fp32, bf16 or fp16 (LoRA is merged in FP32 first)
+
+
 @dataclass
 class RLConfig:
     """rl: post-training with preferences (task=dpo): the reference model and each objective's keys."""
@@ -335,6 +353,7 @@ class RLConfig:
     # auto: adapter with LoRA, else copy
     reference: str = "auto"
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    publish: PublishConfig = field(default_factory=PublishConfig)  # Published during training, whatever the task
 
 
 LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow")

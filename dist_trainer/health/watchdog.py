@@ -62,13 +62,13 @@ POLL_S = 1.0  # how often the thread looks at the clock and the store
 ANSWER_WAIT_S = 3 * POLL_S  # every rank that still runs answers within a poll
 AUTO_FACTOR, AUTO_FLOOR_S, WARMUP_STEPS = 10.0, 120.0, 5
 # How far into a step a rank is, to tell who is behind: data wait, then compute, then the rest.
-ORDER = {"startup": 0, "data": 1, "compute": 2, "eval": 3, "checkpoint": 4, "check": 5, "final": 6}
+ORDER = {"startup": 0, "data": 1, "compute": 2, "eval": 3, "publish": 4, "checkpoint": 5, "check": 6, "final": 7}
 _PACKAGE = str(Path(__file__).resolve().parents[1])
 
 
 @dataclass
 class Phase:
-    kind: str  # startup, step, eval, checkpoint, check, final
+    kind: str  # startup, step, eval, publish, checkpoint, check, final
     step: int  # the step it belongs to (a step's number from its data wait on)
     began: float  # time.monotonic()
     detail: str = ""  # a step's part: "data" until its micro-batches are there, then "compute"
@@ -79,7 +79,8 @@ class Phase:
 
     def describe(self) -> str:
         what = {"data": "waiting for its data", "compute": "computing", "startup": "starting up",
-                "eval": "evaluating", "checkpoint": "saving a checkpoint", "check": "checking consistency",
+                "eval": "evaluating", "publish": "publishing the weights",
+                "checkpoint": "saving a checkpoint", "check": "checking consistency",
                 "final": "saving the final model"}[self.part]
         return f"{what} in step {self.step}" if self.part != "startup" else f"{what} (before step {self.step})"
 

@@ -54,12 +54,15 @@ class HFWeights:
     keeps is written (its ``remove_tied_weights_from_state_dict`` decides, on placeholders); keys the model
     ignores on save go; and a model whose weights transformers converts on load (fused MoE experts) gets its
     checkpoint names back, one tensor at a time (``revert_weight_conversion``, planned on meta tensors).
+
+    ``dtype``: what the floating tensors are written as (FP32; rl.publish.dtype may serve bf16 or fp16), cast as
+    each arrives; config.json says so.
     """
 
-    def __init__(self, module: torch.nn.Module, layout: Sequence[TensorInfo]):
+    def __init__(self, module: torch.nn.Module, layout: Sequence[TensorInfo], dtype: torch.dtype = torch.float32):
         from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-        self.module, self.hf = module, module.model
+        self.module, self.hf, self.dtype = module, module.model, dtype
         mine = [info for info in layout if info.name.startswith(PREFIX)]
         placeholders: Dict[str, torch.Tensor] = {}  # one per weight: the names of a tied one share it
         for info in mine:
@@ -72,10 +75,13 @@ class HFWeights:
         for info in mine:
             key = info.name[len(PREFIX):]
             if key in kept:
-                out = self._revert(key, torch.empty(info.shape, dtype=info.dtype, device="meta"))
+                out = self._revert(key, torch.empty(info.shape, dtype=self._written(info.dtype), device="meta"))
                 self.plan[info.name] = [Entry(k, tuple(v.shape), v.dtype) for k, v in out]
                 if [(k, tuple(v.shape)) for k, v in out] != [(key, info.shape)]:
                     self.renamed.add(info.name)
+
+    def _written(self, dtype: torch.dtype) -> torch.dtype:
+        return self.dtype if dtype.is_floating_point else dtype
 
     def _revert(self, key: str, tensor: torch.Tensor) -> List[Tuple[str, torch.Tensor]]:
         from transformers.modeling_utils import revert_weight_conversion
@@ -91,12 +97,13 @@ class HFWeights:
         if name not in self.plan:
             return []
         key = name[len(PREFIX):]
+        tensor = tensor.to(self._written(tensor.dtype))  # itself where it is already the written dtype
         return self._revert(key, tensor) if name in self.renamed else [(key, tensor)]
 
     def write_files(self, directory: Path) -> None:
-        """config.json (FP32: the weights written are), the generation config, the tokenizer's files."""
+        """config.json (the dtype the weights are written in), the generation config, the tokenizer's files."""
         config = copy.deepcopy(self.hf.config)  # the training model's own stays as it is
-        config.dtype = "float32"
+        config.dtype = str(self.dtype).removeprefix("torch.")
         # fully_shard names a unit's class FSDP<Name>; transformers strips the prefix as well
         config.architectures = [type(self.hf).__name__.removeprefix("FSDP")]
         config.save_pretrained(directory)
@@ -109,8 +116,8 @@ class HFModelWriter:
     """``hf_model/`` written tensor by tensor under a temporary name (``add``), renamed when complete (``close``)."""
 
     def __init__(self, module: torch.nn.Module, layout: Sequence[TensorInfo], out: Path,
-                 max_shard_mb: Optional[float] = None):
-        self.weights, self.out = HFWeights(module, layout), out
+                 max_shard_mb: Optional[float] = None, dtype: torch.dtype = torch.float32):
+        self.weights, self.out = HFWeights(module, layout, dtype), out
         self.tmp = temporary_dir(out)
         self.weights.write_files(self.tmp)
         self.writer = SafetensorsWriter(self.tmp, self.weights.entries(),
@@ -135,12 +142,14 @@ class LoraWriter:
     product added (``W + scaling B A``, peft's merge), so no rank holds the base whole.
 
     ``adapters``: every adapter tensor whole (small beside the base), known before the walk; they are written
-    to ``hf_adapter/`` at once. For plain LoRA on linear layers (``streams``); other peft settings (DoRA, a LoRA
-    bias, modules to save, new tokens' rows) are written from a whole copy (``save_pretrained``).
+    to ``hf_adapter/`` at once (``adapter_out``; None: the merged model alone, as rl.publish serves it). For plain
+    LoRA on linear layers (``streams``); other peft settings (DoRA, a LoRA bias, modules to save, new tokens' rows)
+    are written from a whole copy (``save_pretrained``). The merge is in FP32, before the cast to ``dtype``.
     """
 
     def __init__(self, module: torch.nn.Module, layout: Sequence[TensorInfo], adapters: Dict[str, torch.Tensor],
-                 out: Path, adapter_out: Path, max_shard_mb: Optional[float] = None):
+                 out: Path, adapter_out: Optional[Path], max_shard_mb: Optional[float] = None,
+                 dtype: torch.dtype = torch.float32):
         from types import SimpleNamespace
 
         from ..models.pretrained import base_name
@@ -151,8 +160,9 @@ class LoraWriter:
                 for i in layout if i.name not in adapters]
         view = SimpleNamespace(model=module.model.get_base_model(), tokenizer_spec=module.tokenizer_spec,
                                chat_template=module.chat_template)
-        _write(lambda tmp: _write_adapters(module, adapters, tmp), adapter_out)
-        self.merged = HFModelWriter(view, base, out, max_shard_mb)
+        if adapter_out is not None:
+            _write(lambda tmp: _write_adapters(module, adapters, tmp), adapter_out)
+        self.merged = HFModelWriter(view, base, out, max_shard_mb, dtype)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if name in self.adapters:

@@ -1,8 +1,9 @@
-"""``task`` and ``rl.*``: the values alone, and against the mesh (what task=dpo runs under)."""
+"""``task`` and ``rl.*``: the values alone, and against the mesh (what task=dpo runs under); ``rl.publish.*``."""
 
 from __future__ import annotations
 
 from ..config import DPO_LOSSES, REFERENCES, TASKS, Config, MeshShape, require
+from ..config.schema import PUBLISH_DTYPES, PUBLISH_MODES
 
 HF_MODELS = ("dist_trainer.models.hf.hf_model", "dist_trainer.hf.models.hf_model")
 PREFERENCE_DATA = ("dist_trainer.data.hf_preference.hf_preference", "dist_trainer.data.hf_preference")
@@ -59,3 +60,26 @@ def check_task_mesh(cfg: Config, mesh: MeshShape) -> None:
     require(not (isinstance(loss, dict) and loss.get("chunked")), "model.loss.chunked", True,
             f"task={cfg.task} needs each answer's log-probabilities, which the chunked loss does not keep: set "
             "model.loss.chunked=false")
+
+
+def check_publish(cfg: Config) -> None:
+    """``rl.publish.*``: known values, and a model the published directory can serve (a Hugging Face causal LM)."""
+    pub = cfg.rl.publish
+    require(pub.mode in PUBLISH_MODES, "rl.publish.mode", pub.mode, f"choose one of {', '.join(PUBLISH_MODES)}")
+    require(pub.dtype in PUBLISH_DTYPES, "rl.publish.dtype", pub.dtype, f"choose one of {', '.join(PUBLISH_DTYPES)}")
+    for key, value in (("rl.publish.every", pub.every), ("rl.publish.keep", pub.keep)):
+        require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, key, value,
+                "must be an integer >= 1")
+    require(pub.dir is None or (isinstance(pub.dir, str) and pub.dir.strip() != ""), "rl.publish.dir", pub.dir,
+            "a local directory, or null (the run directory's published/)")
+    if pub.mode == "sglang":
+        require(isinstance(pub.url, str) and pub.url.startswith(("http://", "https://")), "rl.publish.url", pub.url,
+                "rl.publish.mode=sglang needs the server's address, e.g. http://127.0.0.1:30000")
+    else:
+        require(pub.url is None, "rl.publish.url", pub.url,
+                f"is read by rl.publish.mode=sglang only (mode is {pub.mode}): set the mode or remove the url")
+    if pub.mode != "none":
+        require(cfg.model.get("_target_") in HF_MODELS and cfg.model.get("task", "causal_lm") == "causal_lm",
+                "model", cfg.model.get("_target_"),
+                f"rl.publish.mode={pub.mode} writes a Hugging Face causal LM's directory for a server to load: "
+                "use model=hf_causal_lm (or rl.publish.mode=none)")

@@ -1,0 +1,158 @@
+"""rl.publish: the policy's weights reach an inference server during training.
+
+A loopback server stands in for SGLang: it implements POST /update_weights_from_disk by loading the announced
+directory with ``from_pretrained`` and recording its logits on a fixed input. A 2-rank fsdp DPO run of a tiny
+Llama publishing every 2 of 5 steps announces versions 2, 4 and 5 in order, keeps the newest two, points
+``latest`` at the last, and the last version's logits are the run's own hf_model/'s, bit for bit (fp32). A
+server that refuses stops the run with an error naming rl.publish.url, after the version (here in bf16) is
+complete on disk. The checks' refusals name their keys.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_trainer.config import Config, ConfigError, RLConfig
+from dist_trainer.config.schema import PublishConfig
+from dist_trainer.rl.checks import check_publish
+from dist_trainer.validation import KEY_CHECKS
+from test_dpo import _cli, preference_records
+from test_hf_chat import write_jsonl
+
+INPUT_IDS = torch.tensor([[1, 5, 9, 33, 70, 101, 2, 48]])  # byte-level tokens: any ids below 256
+
+
+def logits_of(directory: Path) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(INPUT_IDS).logits
+
+
+class FakeSGLang:
+    """POST /update_weights_from_disk on 127.0.0.1 (port 0: the system's choice), in a thread of the test:
+    each announced directory loaded and recorded as (its name, its logits); ``accept=False`` replies
+    ``success: false`` without loading."""
+
+    def __init__(self, accept: bool = True):
+        self.announced: list = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path != "/update_weights_from_disk" or body.get("load_format") != "auto":
+                    reply, status = {"success": False, "message": f"unexpected {self.path} {body}"}, 400
+                elif not accept:
+                    reply, status = {"success": False, "message": "refused by the test"}, 200
+                else:
+                    path = Path(body["model_path"])
+                    server.announced.append((path.name, logits_of(path)))
+                    reply, status = {"success": True, "message": "loaded"}, 200
+                data = json.dumps(reply).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args) -> None:  # quiet
+                pass
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        self.thread = threading.Thread(target=self.http.serve_forever, daemon=True)
+
+    def __enter__(self) -> "FakeSGLang":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("pairs") / "pairs.jsonl", preference_records(32, seed=3))
+
+
+@pytest.mark.slow  # a 2-rank torchrun job and three loads by the server: about 15 s
+def test_sglang_gets_every_version_in_order_and_the_last_is_the_final_model(tmp_path, pairs):
+    from test_checkpoint import metrics, run
+
+    run_dir = tmp_path / "run"
+    with FakeSGLang() as server:
+        result = run(_cli(pairs, run_dir, 5, "dist.strategy=fsdp", "rl.publish.mode=sglang", "rl.publish.every=2",
+                          f"rl.publish.url={server.url}"), tmp_path, nproc=2)
+    assert result.returncode == 0, result.output[-4000:]
+    assert [name for name, _ in server.announced] == ["step_00000002", "step_00000004", "step_00000005"]
+    published = run_dir / "published"
+    assert sorted(p.name for p in published.iterdir()) == ["latest", "step_00000004", "step_00000005"]
+    assert (published / "latest").read_text().strip() == "step_00000005"
+    assert torch.equal(server.announced[-1][1], logits_of(run_dir / "hf_model"))
+    assert not torch.equal(server.announced[0][1], server.announced[-1][1])  # the weights moved between versions
+    timed = [r["step"] for r in metrics(run_dir) if "publish_s" in r]
+    assert timed == [2, 4, 5] and all(r["publish_s"] > 0 for r in metrics(run_dir) if "publish_s" in r)
+
+
+def test_a_server_that_refuses_stops_the_run_naming_the_url(tmp_path, pairs):
+    """One process: the version is written whole (here in bf16) before it is announced; the refusal is an error
+    naming rl.publish.url and the reply."""
+    from safetensors import safe_open
+
+    from test_checkpoint import run
+
+    run_dir = tmp_path / "run"
+    with FakeSGLang(accept=False) as server:
+        result = run(_cli(pairs, run_dir, 2, "rl.publish.mode=sglang", f"rl.publish.url={server.url}",
+                          "rl.publish.dtype=bf16"), tmp_path)
+    assert result.returncode != 0
+    assert f"rl.publish.url={server.url}" in result.output and "refused by the test" in result.output
+    version = run_dir / "published" / "step_00000001"
+    assert (run_dir / "published" / "latest").read_text().strip() == version.name
+    assert json.loads((version / "config.json").read_text())["dtype"] == "bfloat16"
+    with safe_open(str(version / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+
+
+# ------------------------------------------------------------------------------------------ refusals
+
+HF_CAUSAL = {"_target_": "dist_trainer.hf.models.hf_model", "task": "causal_lm"}
+
+
+def _cfg(model: dict = HF_CAUSAL, **publish) -> Config:
+    return Config(model=dict(model), rl=RLConfig(publish=PublishConfig(**publish)))
+
+
+@pytest.mark.parametrize("publish, key", [
+    ({"mode": "vllm"}, "rl.publish.mode"),
+    ({"mode": "disk", "dtype": "fp8"}, "rl.publish.dtype"),
+    ({"mode": "disk", "every": 0}, "rl.publish.every"),
+    ({"mode": "disk", "keep": 0}, "rl.publish.keep"),
+    ({"mode": "disk", "dir": " "}, "rl.publish.dir"),
+    ({"mode": "sglang"}, "rl.publish.url"),
+    ({"mode": "sglang", "url": "127.0.0.1:30000"}, "rl.publish.url"),
+    ({"mode": "disk", "url": "http://127.0.0.1:30000"}, "rl.publish.url"),
+    ({"url": "http://127.0.0.1:30000"}, "rl.publish.url"),
+])
+def test_refusals_name_their_key(publish, key):
+    with pytest.raises(ConfigError, match=f"^{key}="):
+        check_publish(_cfg(**publish))
+
+
+def test_publishing_needs_a_hugging_face_causal_lm():
+    with pytest.raises(ConfigError, match="^model=.*model=hf_causal_lm"):
+        check_publish(_cfg({"_target_": "dist_trainer.models.gpt.GPT"}, mode="disk"))
+    with pytest.raises(ConfigError, match="^model="):
+        check_publish(_cfg({**HF_CAUSAL, "task": "masked_lm"}, mode="disk"))
+    check_publish(_cfg({"_target_": "dist_trainer.models.gpt.GPT"}))  # mode=none: any model
+    check_publish(_cfg(mode="sglang", url="http://127.0.0.1:30000", every=3, keep=1, dtype="bf16"))
+    assert check_publish in KEY_CHECKS  # validate runs it
