@@ -33,7 +33,7 @@ from .metrics import Outputs, peak_flops, peak_mem_mb
 from .models import construct, pretrained
 from .models.hf import TARGETS as HF_TARGETS
 from .moe import inactive_params, routing_of
-from .rl import build_objective
+from .rl import build_objective, precompute
 from .rl.publish import build_publisher
 from . import fp8
 from .optim import build_optimizer, optimizer_line
@@ -205,6 +205,8 @@ def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
         build_objective(cfg, strategy.module, copy_of)
         if materialise is not None:  # a frozen base built on the meta device: its digest from the shards
             frozen = sharded_frozen_digest(strategy.module, env.device)
+    # rl.reference=precomputed: each pair's values under the model as built (cached), carried by its samples
+    train_set, eval_set = precompute.attach(cfg, strategy, precision, env.device, train_set, eval_set)
     load_mb = materialise.mb if materialise is not None else built.mb
     # The optimizer's tensors (FP32 masters in master modes) are the trainable parameters', in order.
     names = [n for n, p in strategy.module.named_parameters() if p.requires_grad]

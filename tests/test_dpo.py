@@ -5,10 +5,12 @@ micro-batch (16 rows, padded to the longest), a tiny Llama built from its config
 steps: every step's gradients, the weights after them and the step's figures (rewards, accuracies,
 log-probabilities) within SCALE_TOL of their scale (measured at most 3.5e-6 under AVX-512, AVX2 and default
 kernels; at lr 0.1 the weights' rounding after two steps reaches 1.05e-5 with default kernels, as a DPO gradient
-is the difference of the two answers' gradients), under ddp and fsdp, a full model against a frozen copy of itself and against no
-reference, and LoRA adapters against the model with its adapters disabled. The implicit rewards are exactly 0 at
-the first step where the reference is the policy as built. The losses against their closed forms; the refusals
-name their key.
+is the difference of the two answers' gradients), under ddp and fsdp, a full model against a frozen copy of itself,
+against no reference and against values precomputed before the first step, and LoRA adapters against the model
+with its adapters disabled. The implicit rewards are exactly 0 at the first step where the reference is the policy
+as built (precomputed: where the micro-batch is the pair alone, as measured). Precomputed values are bit-equal from
+1 or 2 ranks, ddp or fsdp, and a second build reads them instead of measuring. The losses against their closed
+forms; the refusals name their key.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import math
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -75,6 +78,9 @@ def _record(env, world: int, name: str, cfg) -> dict:
 
     parts = build(cfg, validate(cfg, world), env)
     module, rec = parts.trainer.module, {"grads": [], "outcomes": []}
+    if parts.train_set.ref_logps is not None:  # rl.reference=precomputed: the values and the files beside them
+        rec["ref_logps"] = torch.from_numpy(parts.train_set.ref_logps.copy())
+        rec["ref_files"] = sorted(p.name for p in Path(parts.train_set.directory).glob("ref_logps.*"))
     batches = epoch_batches(parts.train_set, parts.step_plan, 0, 0, 0, False)
     for step, (window, micro_batches) in zip(range(1, STEPS + 1), batches):
         outcome = parts.trainer.train_step(micro_batches, window, step)
@@ -94,16 +100,27 @@ def _worker(rank: int, world: int, jobs: list) -> dict:
 # Each one-process reference job's keys, by the name's first part. sft: RPO's NLL on the chosen answers, token-weighted
 # over the step, with IPO's loss on the adapters.
 REFS = {"copy": {"reference": "copy"}, "none": {"reference": "none"}, "adapter": {"reference": "adapter", "lora": True},
-        "sft": {"reference": "adapter", "lora": True, "loss": "ipo", "sft": 0.5}}
+        "sft": {"reference": "adapter", "lora": True, "loss": "ipo", "sft": 0.5},
+        "precomputed": {"reference": "precomputed"}}
+
+
+def ref_micro(kind: str) -> int:
+    """The one-process job's micro-batch: the step's 8 pairs; precomputed: one pair, the very batches its values
+    were measured on ("precomputed/batched" runs the 8 as one: test_precomputed_rewards_...)."""
+    return 1 if kind == "precomputed" else GLOBAL
 
 
 def split_config(files: list, cache: Path, name: str):
-    """The 2-rank job ``name`` (REFS' keys under ``name``'s strategy), micro-batches of one pair."""
+    """The 2-rank job ``name`` (REFS' keys under ``name``'s strategy), micro-batches of one pair. A precomputed
+    job has a data cache of its own: it measures its values under its strategy, not reading the one process's."""
     kind, strategy = name.split("/")
+    if kind == "precomputed":
+        cache = cache.with_name(f"{cache.name}-{strategy}")
     return dpo_config(files, cache, 1, strategy=strategy, **REFS[kind])
 
 
-SPLITS = ["copy/ddp", "copy/fsdp", "none/fsdp", "sft/fsdp", "adapter/ddp", "adapter/fsdp"]
+SPLITS = ["copy/ddp", "copy/fsdp", "none/fsdp", "sft/fsdp", "adapter/ddp", "adapter/fsdp", "precomputed/ddp",
+          "precomputed/fsdp"]
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +132,8 @@ def pairs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(pairs, tmp_path_factory):
     files, cache = pairs
-    refs = [(kind, dpo_config(files, cache, GLOBAL, **keys)) for kind, keys in REFS.items()]
+    refs = [(kind, dpo_config(files, cache, ref_micro(kind), **keys)) for kind, keys in REFS.items()]
+    refs.append(("precomputed/batched", dpo_config(files, cache, GLOBAL, **REFS["precomputed"])))
     one = in_one_process(_worker, refs)
     two = launch_clean(_worker, 2, tmp_path_factory.mktemp("dpo2"), [
         (name, split_config(files, cache, name)) for name in SPLITS])
@@ -152,6 +170,97 @@ def test_the_implicit_rewards_are_exactly_zero_at_the_first_step(runs, kind):
         assert first["rewards/chosen"] == first["rewards/rejected"] == first["rewards/margins"] == 0.0, first
         assert first["rewards/accuracies"] == 0.0 and first["logps/chosen"] < 0 and first["logps/rejected"] < 0
         assert first["loss"] == pytest.approx(math.log(2), rel=1e-6)
+
+
+def test_precomputed_rewards_at_the_first_step_are_zero_up_to_the_batch_shape(runs):
+    """The precomputed values are the model as built on each pair alone. A run of one pair a micro-batch runs
+    those very batches: at step 1 every reward is exactly 0. A micro-batch of 8 pairs is one batch padded to its
+    longest row, which CPU kernels round otherwise in the last bits than a pair alone: its first rewards are a
+    few FP32 ulps of the log-probabilities (measured: 2.6e-8 of their scale), within 1e-6 of it, and its
+    accuracy counts the pairs whose noise came out positive (0.25 here). That noise is also why the splits
+    compare with a one-process run of single pairs: against the batched run their first accuracy is 0, not
+    0.25, and their gradients differ by 4e-6 to 7e-6 of their scale (measured under AVX-512, AVX2 and default
+    kernels), a difference of inputs, not of summation order."""
+    one, two = runs
+    firsts = [job_record(one, "precomputed")["outcomes"][0]] + [
+        job_record(r, f"precomputed/{s}")["outcomes"][0] for r in two for s in ("ddp", "fsdp")]
+    for first in firsts:
+        assert first["rewards/chosen"] == first["rewards/rejected"] == first["rewards/margins"] == 0.0, first
+        assert first["rewards/accuracies"] == 0.0 and first["loss"] == pytest.approx(math.log(2), rel=1e-6)
+    first, beta = job_record(one, "precomputed/batched")["outcomes"][0], 0.5
+    for side in ("chosen", "rejected"):
+        assert abs(first[f"rewards/{side}"]) <= 1e-6 * beta * abs(first[f"logps/{side}"]), first
+    # -log sigmoid(m) = log 2 - m / 2 + O(m^2): the mean loss is log 2 less half the mean margin, to FP32's rounding
+    assert first["loss"] == pytest.approx(math.log(2) - first["rewards/margins"] / 2, abs=2e-7)
+
+
+def test_precomputed_values_depend_on_neither_world_size_nor_strategy(runs):
+    """Each pair measured alone, pair i on rank i % 2, all-reduced: the values of 2 ranks under ddp and under fsdp
+    are the one process's, bit for bit, and so is the file's key (the whole weights' digest: fsdp's gathered)."""
+    one, two = runs
+    ref = job_record(one, "precomputed")
+    assert len(ref["ref_files"]) == 1 and ref["ref_logps"].shape == (48, 2)  # the fixture's 48 pairs
+    assert ref["ref_logps"].dtype == torch.float64 and (ref["ref_logps"] < 0).all()
+    for results in two:
+        for strategy in ("ddp", "fsdp"):
+            got = job_record(results, f"precomputed/{strategy}")
+            assert torch.equal(got["ref_logps"], ref["ref_logps"]), strategy
+            assert got["ref_files"] == ref["ref_files"], strategy
+
+
+def _builds(rank: int, world: int, cfgs: list, calls: list) -> list:
+    """Each config's build: the answer_logps calls it made, its pairs' values and the files beside them."""
+    from dist_trainer import distributed
+    from dist_trainer.run import build, evaluate
+    from dist_trainer.data import eval_loader
+    from dist_trainer.precision import Precision
+
+    env, out = distributed.init("cpu"), []
+    for cfg in cfgs:
+        calls.clear()
+        parts = build(cfg, validate(cfg, world), env)
+        data, held_out, made = parts.train_set, parts.eval_set, len(calls)
+        rec = {"calls": made, "values": data.ref_logps, "files": sorted(Path(data.directory).glob("ref_logps.*")),
+               "batch": data.collate([data[i] for i in range(3)])["ref_logps"]}
+        if held_out is not None:
+            loader = eval_loader(held_out, 1, len(held_out), 0, 1, 0)  # a pair alone a batch, as measured
+            rec["eval"] = (len(held_out), held_out.ref_logps,
+                           evaluate(parts.trainer.module, loader, Precision(cfg.precision, env.device), env.device))
+        out.append(rec)
+    return out
+
+
+def test_a_second_build_reuses_the_values_and_another_model_measures_its_own(runs, pairs, monkeypatch):
+    """The one-process job wrote the values: the same model and data again measure nothing (no answer_logps
+    call) and read them; another seed (other weights) or another model config (the same weights, another
+    forward) measure their own into another file; a held-out split has its own, and at the model as built the
+    held-out loss against them, a pair a batch, is exactly the sigmoid loss at 0: log 2 in FP32."""
+    from dist_trainer.models.hf import HFModel
+
+    files, cache = pairs
+    calls, measure = [], HFModel.answer_logps
+    monkeypatch.setattr(HFModel, "answer_logps", lambda self, *a, **kw: calls.append(1) or measure(self, *a, **kw))
+    same = dpo_config(files, cache, GLOBAL, "precomputed")
+    seeded = dpo_config(files, cache, GLOBAL, "precomputed")
+    seeded.trainer = dataclasses.replace(seeded.trainer, seed=seeded.trainer.seed + 1)
+    rope = dpo_config(files, cache, GLOBAL, "precomputed")
+    rope.model = {**rope.model, "config": {**rope.model["config"], "rope_theta": 500.0}}
+    held = dpo_config(files, cache.with_name("cache-val"), GLOBAL, "precomputed")
+    held.data = {**held.data, "val_fraction": 0.25, "split": "train"}  # split: the run builds the val split too
+    again, other_seed, other_config, with_val = in_one_process(_builds, [same, seeded, rope, held], calls)
+    pairs_count = len(again["values"])
+    assert again["calls"] == 0 and np.array_equal(again["values"], job_record(runs[0], "precomputed")["ref_logps"])
+    assert len(again["files"]) == 1
+    assert other_seed["calls"] == pairs_count and len(other_seed["files"]) == 2
+    assert not np.array_equal(other_seed["values"], again["values"])
+    assert other_config["calls"] == pairs_count and len(other_config["files"]) == 3
+    # A batch carries the B chosen values, then the B rejected ones: its rows' order.
+    assert torch.equal(again["batch"], torch.from_numpy(np.concatenate([again["values"][:3, 0],
+                                                                         again["values"][:3, 1]])))
+    val_pairs, val_values, eval_loss = with_val["eval"]
+    assert with_val["calls"] == len(with_val["values"]) + val_pairs and val_values.shape == (val_pairs, 2)
+    assert sorted(p.name.split(".")[1] for p in with_val["files"]) == ["train", "val"]  # a file each
+    assert eval_loss == pytest.approx(math.log(2), rel=1e-7)
 
 
 @pytest.mark.parametrize("name", SPLITS)
@@ -250,3 +359,29 @@ def test_a_dpo_run_resumes_bit_identically_against_a_copy_built_again(tmp_path, 
     assert records[0]["rewards/margins"] == 0.0 and records[0]["loss"] == pytest.approx(math.log(2), rel=1e-6)
     assert records[-1]["rewards/margins"] != 0.0 and set(FIGURES) <= set(records[-1])
     assert "tokens_per_s" not in records[-1]  # the items are pairs
+
+
+@pytest.mark.slow  # two 2-rank torchrun jobs: about 13 s
+def test_a_precomputed_run_measures_once_and_its_resume_reads_the_values(tmp_path):
+    """Under fsdp with a held-out split: the first run measures both splits before its first step (the first
+    step's rewards exactly 0: one pair a micro-batch, as measured) and evaluates against them; the resume builds
+    the model as built again, finds both files and measures nothing."""
+    from test_checkpoint import metrics, run
+
+    # 56 pairs hold out 12: as many held-out batches on each rank (under fsdp each forward is a collective, and
+    # the eval loader evens the ranks' batches out under expert parallelism only)
+    pairs_file = write_jsonl(tmp_path / "pairs.jsonl", preference_records(56, seed=3))
+    run_dir = tmp_path / "run"
+    args = ("rl.reference=precomputed", "dist.strategy=fsdp", "data.val_fraction=0.25", "batch.micro_batch_size=1")
+    first = run(_cli(pairs_file, run_dir, 2, *args), tmp_path, nproc=2)
+    assert first.returncode == 0, first.output[-4000:]
+    for split in ("train", "val"):
+        assert f"computed the {split} split's reference log-probabilities" in first.output, first.output[-4000:]
+    second = run(_cli(pairs_file, run_dir, 4, *args), tmp_path, nproc=2)
+    assert second.returncode == 0, second.output[-4000:]
+    assert "resuming from" in second.output and "computed the" not in second.output
+    for split in ("train", "val"):
+        assert f"reused the {split} split's reference log-probabilities" in second.output, second.output[-4000:]
+    records = metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3, 4] and records[0]["rewards/margins"] == 0.0
+    assert records[1]["eval_loss"] > 0 and records[-1]["eval_loss"] > 0 and records[-1]["rewards/margins"] != 0.0

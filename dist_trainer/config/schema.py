@@ -311,7 +311,7 @@ class LoggingConfig:
 
 TASKS = ("lm", "dpo")
 DPO_LOSSES = ("sigmoid", "ipo", "hinge", "robust")
-REFERENCES = ("auto", "copy", "adapter", "none")
+REFERENCES = ("auto", "copy", "adapter", "none", "precomputed")
 
 
 @dataclass
@@ -349,7 +349,9 @@ class RLConfig:
     """rl: post-training with preferences (task=dpo): the reference model and each objective's keys."""
 
     # What the policy is measured against: copy (a frozen copy of the model as built), adapter (with model.lora:
-    # the policy with its adapters disabled, no second copy), none (no reference: its log-probabilities 0);
+    # the policy with its adapters disabled, no second copy), none (no reference: its log-probabilities 0),
+    # precomputed (the model as built measures every pair once before the first step, kept in the data cache and
+    # reused by later runs of the same model and data: no reference forward while training, no copy held);
     # auto: adapter with LoRA, else copy
     reference: str = "auto"
     dpo: DPOConfig = field(default_factory=DPOConfig)

@@ -28,11 +28,15 @@ split stored as data=hf_chat stores conversations.
 Samples: a pair, ``{"chosen_ids", "chosen_labels", "rejected_ids",
 "rejected_labels"}``; ``collate`` makes B pairs one batch of 2B rows, the B
 chosen first, then the B rejected in the same order, right-padded to the
-longest row, with an attention mask and no loss on the padding.
+longest row, with an attention mask and no loss on the padding. With the
+reference's log-probabilities attached (``Pairs.with_reference``,
+rl.reference=precomputed), a sample also holds ``ref_logps`` [2] and a batch
+``ref_logps`` [2B], in its rows' order.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import shutil
@@ -238,6 +242,7 @@ class Pairs(Dataset):
     """One preference pair per sample; ``collate`` makes one batch of the chosen rows, then the rejected rows."""
 
     pairs_per_sample = 1  # a sample is one pair: B samples collate to 2B rows
+    ref_logps: Optional[np.ndarray] = None  # float64 [N, 2]: each pair's reference (chosen, rejected), if attached
 
     def __init__(self, directory: Path, split: str, tok: TextTokenizer):
         self.directory, self.split, self.tokenizer = directory, split, tok
@@ -261,14 +266,29 @@ class Pairs(Dataset):
         for side, (ids, trained) in self.pair(int(index)).items():
             sample[f"{side}_ids"] = torch.from_numpy(ids)
             sample[f"{side}_labels"] = torch.from_numpy(np.where(trained, ids, IGNORE_INDEX))
+        if self.ref_logps is not None:
+            sample["ref_logps"] = torch.from_numpy(self.ref_logps[int(index)].copy())
         return sample
+
+    def with_reference(self, values: np.ndarray) -> "Pairs":
+        """These pairs with each one's reference log-probabilities (float64 [N, 2]: chosen, rejected), which its
+        samples and batches then carry as ``ref_logps``."""
+        if values.shape != (len(self), 2):
+            raise ValueError(f"the {self.split} split's reference values are {values.shape}, not ({len(self)}, 2)")
+        pairs = copy.copy(self)
+        pairs.ref_logps = values
+        return pairs
 
     def collate(self, samples: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
         """B pairs -> ``input_ids``, ``attention_mask``, ``labels`` of [2B, L]: rows 0..B-1 the chosen answers,
         rows B..2B-1 the rejected ones in the same order; right padding to the longest of the 2B rows, never
-        attended to (the mask is by position) and with no loss."""
+        attended to (the mask is by position) and with no loss. ``ref_logps`` (attached values): [2B], the B chosen
+        values, then the B rejected ones, as the rows."""
         rows = [{"input_ids": s[f"{side}_ids"], "labels": s[f"{side}_labels"]} for side in SIDES for s in samples]
-        return self.sides["chosen"].collate(rows)
+        batch = self.sides["chosen"].collate(rows)
+        if "ref_logps" in samples[0]:
+            batch["ref_logps"] = torch.stack([s["ref_logps"] for s in samples], dim=1).reshape(-1)  # [2, B]: rows
+        return batch
 
 
 def _check_args(files: Any, block_size: Any, max_length: Any, split: str, task: str, val_fraction: Any,

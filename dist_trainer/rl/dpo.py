@@ -16,7 +16,9 @@ and eps = rl.dpo.label_smoothing, a pair's loss is (TRL's definitions):
 The reference (``rl.reference``) runs before the policy in the same micro-batch layout, without gradients and
 without dropout: ``adapter`` is the policy with its LoRA adapters disabled (no second copy: at the first step the
 adapters add exactly zero, so the implicit rewards are exactly 0), ``copy`` a frozen copy of the model as built
-(the same at every resume, as the model is built the same), ``none`` log-probabilities of 0.
+(the same at every resume, as the model is built the same), ``none`` log-probabilities of 0, ``precomputed`` the
+values the model as built gave each pair alone before the first step, which the batch carries (``rl/precompute.py``:
+no reference forward at all).
 
 The step's figures, TRL's names, are sums over the counted pairs carried in the step's one all-reduce and divided
 by the step's pairs: never a mean of micro-batch means.
@@ -174,6 +176,11 @@ def no_reference(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple:
     return zeros, zeros
 
 
+def precomputed_reference(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple:
+    """rl.reference=precomputed: the batch's ``ref_logps`` (FP32 values, kept in float64), in its rows' order."""
+    return batch["ref_logps"].float(), (batch["labels"][:, 1:] != IGNORE_INDEX).sum(dim=1)
+
+
 class CopyReference:
     """A frozen copy of the model as built, held outside the policy's module tree (no state_dict key, never
     trained): under ddp a deep copy of the policy before its first step; where the strategy cuts the model, the
@@ -205,7 +212,7 @@ def build_objective(cfg: Config, module: nn.Module, copy_of: Optional[Callable[[
         return NoObjective()
     kind = reference_kind(cfg)
     reference = {"adapter": lambda: adapter_reference, "none": lambda: no_reference,
-                 "copy": lambda: CopyReference(module, copy_of)}[kind]()
+                 "precomputed": lambda: precomputed_reference, "copy": lambda: CopyReference(module, copy_of)}[kind]()
     module.objective = DPO(cfg.rl.dpo, reference)
     module.items_are_tokens = False  # the step's items are its pairs: no tokens_per_s
     return module.objective
