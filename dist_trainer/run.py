@@ -433,7 +433,7 @@ def _loop(cfg: Config, parts: Parts, position: Position, outputs: Outputs, stop:
     # without held-out samples must still join evaluate()'s all-reduce.
     evals = (None if eval_set is None else
              eval_loader(eval_set, plan.micro_batch_size, tcfg.eval_batches, plan.mesh.data_rank(env.rank),
-                         plan.data_ranks, num_workers, lockstep=plan.mesh.ep > 1))
+                         plan.data_ranks, num_workers, lockstep=plan.mesh.ep > 1 or plan.mesh.cuts_model))
     # One loader for the run: with data.num_workers > 0 its workers start once and serve every epoch.
     loader = TrainLoader(parts.train_set, parts.step_plan, num_workers, pin, cfg.data.get("prefetch_factor"))
     compiles = CompileWatch(tcfg.compile, env.is_main)

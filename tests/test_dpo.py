@@ -385,3 +385,22 @@ def test_a_precomputed_run_measures_once_and_its_resume_reads_the_values(tmp_pat
     records = metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3, 4] and records[0]["rewards/margins"] == 0.0
     assert records[1]["eval_loss"] > 0 and records[-1]["eval_loss"] > 0 and records[-1]["rewards/margins"] != 0.0
+
+
+@pytest.mark.slow  # a 2-rank torchrun job: about 8 s
+def test_an_uneven_held_out_split_under_fsdp_is_evaluated_in_lockstep(tmp_path):
+    """9 held-out pairs on 2 ranks in micro-batches of 2: unevenly dealt, rank 0 would run 3 forwards and rank 1
+    two, and under fsdp a forward is a collective (the run used to wait forever in the third); the split is cut
+    to a multiple of the ranks, so every rank runs as many."""
+    from dist_trainer.data.hf_preference import hf_preference
+    from test_checkpoint import metrics, run
+
+    pairs_file = write_jsonl(tmp_path / "pairs.jsonl", preference_records(64, seed=1))
+    held = hf_preference([str(pairs_file)], tokenizer="bytes", block_size=256, val_fraction=0.15, split="val",
+                         cache_dir=str(tmp_path / "cache"))
+    assert len(held) == 9  # dealt 5 and 4: 3 and 2 micro-batches of 2
+    result = run(_cli(pairs_file, tmp_path / "run", 2, "dist.strategy=fsdp", "rl.reference=none",
+                      "data.val_fraction=0.15", "trainer.eval_every=1", "trainer.eval_batches=4"),
+                 tmp_path, nproc=2, timeout=120)
+    assert result.returncode == 0, result.output[-4000:]
+    assert all(math.isfinite(r["eval_loss"]) for r in metrics(tmp_path / "run"))

@@ -261,7 +261,8 @@ def eval_loader(dataset: Dataset, micro_batch_size: int, max_batches: int, rank:
     """The first ``max_batches`` micro-batches per rank of the held-out split, in order.
 
     ``lockstep``: every rank the same number of batches, the split cut to a multiple of the ranks (at most
-    ``world_size - 1`` samples fewer): where a forward is a collective (expert parallelism's all-to-alls)."""
+    ``world_size - 1`` samples fewer): where a forward is a collective (fsdp's and hsdp's gathers, tp's and pp's
+    exchanges, expert parallelism's all-to-alls), so that no rank waits in one the others never issue."""
     count = min(len(dataset), max_batches * micro_batch_size * world_size)
     if lockstep:
         count -= count % world_size
