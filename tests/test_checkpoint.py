@@ -437,6 +437,7 @@ def test_fp16_mixed_with_dropout_resume_is_bit_identical(jobs, tmp_path):
 
 # --------------------------------------------------------------------------- 2. elastic restart
 
+@pytest.mark.slow  # a real torchrun agent restarting its workers, about 15 s
 @uses("ref", "half", "elastic")
 def test_elastic_restart_after_a_worker_is_killed_resumes_bit_identical(jobs, fp32_2rank):
     # torchrun --max-restarts=3; rank 1 waits on the gate in step ELASTIC_GATE_STEP (see jobs).

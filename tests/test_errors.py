@@ -37,6 +37,7 @@ def test_a_config_error_is_printed_once_and_named_in_torchruns_summary(tmp_path)
     _check_config_error(run_module(["optim.lr=-1", f"hydra.run.dir={tmp_path}/run"], tmp_path, torchrun_nproc=2))
 
 
+@pytest.mark.slow  # a real torchrun launch, about 10 s; the config error's launch stays in the default suite
 def test_an_error_of_one_rank_alone_is_printed_by_it_and_named(tmp_path):
     # Rank 0 is fine and waits for rank 1 in a collective; rank 1 prints its error, and torchrun's
     # summary names it rather than rank 0, which torchrun then stops.
@@ -73,6 +74,7 @@ def test_under_a_full_cpu_load_the_error_is_shown_once_and_named_20_runs_of_20(t
         _check_hydra_error(proc)
 
 
+@pytest.mark.slow  # a real torchrun launch, about 7 s
 def test_an_error_hydra_raises_before_our_code_is_printed_once_and_named(tmp_path):
     _check_hydra_error(run_module(["optim.nosuch=1", f"hydra.run.dir={tmp_path}/run"], tmp_path, torchrun_nproc=2))
 

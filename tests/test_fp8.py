@@ -129,10 +129,11 @@ def _worker(rank: int, world_size: int, jobs: list) -> dict:
 
 
 # Cases whose dimension the default suite already meets with another recipe (fsdp's accum_sync=every with
-# tensorwise, beside its float8 all-gather; tp 2 and cp 2 with rowwise and MXFP8): CI's slow stage runs them, in
-# a launch of their own.
+# tensorwise, beside its float8 all-gather; tp 2 with rowwise and MXFP8, cp 2 with rowwise; sequence parallelism
+# and MXFP8's blocks under tp): CI's slow stage runs them, in a launch of their own.
 SLOW_CASES = ("fp8-rowwise-fsdp-every", "fp8-rowwise-gw-hp-fsdp-every", "fp8-mxfp8-fsdp-every",
-              "fp8-rowwise-gw-hp-tp2", "fp8-tensorwise-tp2", "fp8-tensorwise-cp2", "fp8-mxfp8-cp2")
+              "fp8-rowwise-gw-hp-tp2", "fp8-tensorwise-tp2", "fp8-tensorwise-cp2", "fp8-mxfp8-cp2",
+              "fp8-rowwise-tp2sp", "fp8-mxfp8-w64-tp2")
 
 
 def _cases(names) -> list:
