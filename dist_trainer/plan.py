@@ -333,6 +333,7 @@ def plan_report(cfg: Config, world_size: int, local_world_size: Optional[int] = 
         *fp8_plan.fp8_lines(cfg, plan, numbers, model, plan_numbers),
         *comm_lines(numbers, plan.accum_steps),
         *pp_plan.pp_lines(numbers),
+        *rl_plan.rl_lines(cfg, numbers, model),
         f"  plus 1 all-reduce of {step_stats_bytes(world_size, plan.mesh.pp > 1)} bytes (loss, item count, squared gradient norm, "
         "skip, stop and background-write flags, each rank's data wait and compute time"
         + (", its idle and schedule seconds and micro-batches in flight" if plan.mesh.pp > 1 else "")

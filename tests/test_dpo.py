@@ -422,3 +422,12 @@ def test_an_uneven_held_out_split_under_fsdp_is_evaluated_in_lockstep(tmp_path):
                  tmp_path, nproc=2, timeout=120)
     assert result.returncode == 0, result.output[-4000:]
     assert all(math.isfinite(r["eval_loss"]) for r in metrics(tmp_path / "run"))
+
+
+def test_plan_mode_says_what_the_objective_adds(pairs):
+    from dist_trainer.plan import plan_report
+
+    report = plan_report(split_config(*pairs, "sft/fsdp"), 2)
+    assert "task=dpo, rl.dpo.loss=ipo: the mean over the step's pairs; rl.reference=adapter" in report
+    assert "add 7 float64 slots" in report and "1 all-reduce more, of 16 bytes" in report
+    assert "(frozen_mb)" in plan_report(split_config(*pairs, "copy/fsdp"), 2)

@@ -58,3 +58,24 @@ def add_step(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precisio
     if cfg.dist.fsdp.prefetch > 0 and blocks:  # reshard=step gathers the blocks once a step: once
         dp_plan.add_unit_comm(counts, plan.mesh, blocks[0], 0, passes if cfg.dist.fsdp.reshard == "step" else again,
                               0)
+
+
+REFERENCE_TEXT = {"adapter": "the policy with its LoRA adapters disabled, no second copy",
+                  "copy": "a frozen copy of the model as built", "precomputed": "log-probabilities read from the data cache",
+                  "none": "none: log-probabilities of 0"}
+
+
+def rl_lines(cfg: Config, numbers: Dict[str, Any], model: nn.Module) -> List[str]:
+    """Plan mode's lines of task=dpo: the reference, what it adds to the step's collectives and to memory."""
+    if cfg.task != "dpo":
+        return []
+    objective, kind = objective_of(model), reference_kind(cfg)
+    extra = ("; with rl.dpo.sft_weight 1 all-reduce more, of 16 bytes (the step's pairs and chosen tokens)"
+             if getattr(objective, "sft_weight", 0) else "")
+    lines = [f"  task=dpo, rl.dpo.loss={cfg.rl.dpo.loss}: the mean over the step's pairs; rl.reference={kind} "
+             f"({REFERENCE_TEXT[kind]}); its figures add {objective.slots()} float64 slots to the step's "
+             f"all-reduce{extra}"]
+    if kind == "copy":
+        lines.append(f"  the reference copy and any frozen base held per rank: {numbers['frozen_mb']:.2f} MiB "
+                     "(frozen_mb)")
+    return lines
