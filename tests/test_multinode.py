@@ -168,9 +168,13 @@ def test_a_stopped_rank_under_two_agents_is_named_and_the_restart_resumes_bit_id
     assert ended_after <= timeout_s + 30
     found = set(hang_messages(outputs))
     assert found, outputs[-6000:]
-    for message in found:  # whichever rank printed it, it names rank 3 and its step
-        assert re.search(rf"rank 3 \(host \S+, pid {workers[3]}\) did not respond: stopped, or frozen whole; "
-                         r"the last step it began was 3", message), message
+    # Whichever rank reports first names rank 3 and its step. Rank 0 hosts the store here
+    # (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) and ends on its own report: a rank that asks after that finds no store,
+    # and says so instead (CI saw it once: "did not answer (Connection reset by peer)").
+    named = [m for m in found if re.search(rf"rank 3 \(host \S+, pid {workers[3]}\) did not respond: stopped, or "
+                                           r"frozen whole; the last step it began was 3", m)]
+    assert named, found
+    assert all(m in named or "torchrun's store at" in m and "did not answer" in m for m in found), found
     assert f"killed rank 3 (pid {workers[3]})" in (run_dir / "rank2.log").read_text()
     for rank in (0, 1, 2):
         log = (run_dir / f"rank{rank}.log").read_text()
