@@ -36,7 +36,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -206,17 +206,51 @@ def encode(tok: TextTokenizer, template: ChatTemplate, conversations: List[Tuple
     return [join([(next(ids), trained) for _, trained in conv]) for conv in pieces]
 
 
+class Streams:
+    """Tokenized sequences written one after another: ``out/<name>.ids`` (uint32), ``.trained`` (uint8) and, on
+    ``close``, ``.offsets.npy`` (int64) for each name, the layout ``Conversations`` reads."""
+
+    def __init__(self, out: Path, names: Sequence[str]):
+        self.out = out
+        self.files = {n: {kind: open(out / f"{n}.{kind}", "wb") for kind in ("ids", "trained")} for n in names}
+        self.offsets: Dict[str, List[int]] = {n: [0] for n in names}
+
+    def write(self, name: str, ids: np.ndarray, trained: np.ndarray) -> None:
+        self.files[name]["ids"].write(ids.tobytes())
+        self.files[name]["trained"].write(trained.tobytes())
+        self.offsets[name].append(self.offsets[name][-1] + ids.size)
+
+    def close(self) -> None:
+        """Close every file (also after an error; ``save_offsets`` only once every sequence is written)."""
+        for part in self.files.values():
+            for f in part.values():
+                f.close()
+
+    def save_offsets(self) -> None:
+        for name, offs in self.offsets.items():
+            np.save(self.out / f"{name}.offsets.npy", np.asarray(offs, dtype=np.int64))
+
+
+def write_in_batches(items: Iterator[Any], size: int, flush: Callable[[List[Any]], None]) -> None:
+    """``flush`` each ``size`` items of ``items`` (the last batch shorter)."""
+    batch: List[Any] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            flush(batch)
+            batch = []
+    flush(batch)
+
+
 def _write(out: Path, sources: Sources, tok: TextTokenizer, template: ChatTemplate, columns: Columns,
            train_on: str, max_length: int, val_fraction: float) -> Dict[str, Any]:
     """out/<split>.ids (uint32), .trained (uint8) and .offsets (int64) for train and val; returns their meta."""
     started = time.perf_counter()
-    files = {s: {kind: open(out / f"{s}.{kind}", "wb") for kind in ("ids", "trained")} for s in ("train", "val")}
-    offsets: Dict[str, List[int]] = {"train": [0], "val": [0]}
+    streams = Streams(out, ("train", "val"))
     counts = {s: {"conversations": 0, "tokens": 0, "trained_tokens": 0} for s in ("train", "val")}
     truncated = dropped = index = 0
-    batch: List[Tuple[str, List[dict]]] = []
 
-    def flush() -> None:
+    def flush(batch: List[Tuple[str, List[dict]]]) -> None:
         nonlocal truncated, dropped, index
         for ids, trained in encode(tok, template, batch, train_on):
             split = "val" if held_out(index, val_fraction) else "train"
@@ -226,26 +260,16 @@ def _write(out: Path, sources: Sources, tok: TextTokenizer, template: ChatTempla
             if not trained.any():
                 dropped += 1
                 continue
-            files[split]["ids"].write(ids.tobytes())
-            files[split]["trained"].write(trained.tobytes())
-            offsets[split].append(offsets[split][-1] + ids.size)
+            streams.write(split, ids, trained)
             counts[split]["conversations"] += 1
             counts[split]["tokens"] += int(ids.size)
             counts[split]["trained_tokens"] += int(trained.sum())
-        batch.clear()
 
     try:
-        for item in read_conversations(sources, columns, out / "datasets"):
-            batch.append(item)
-            if len(batch) == BATCH_CONVERSATIONS:
-                flush()
-        flush()
+        write_in_batches(read_conversations(sources, columns, out / "datasets"), BATCH_CONVERSATIONS, flush)
     finally:
-        for split in files.values():
-            for f in split.values():
-                f.close()
-    for split, offs in offsets.items():
-        np.save(out / f"{split}.offsets.npy", np.asarray(offs, dtype=np.int64))
+        streams.close()
+    streams.save_offsets()
     shutil.rmtree(out / "datasets", ignore_errors=True)  # datasets' arrow copies of parquet files
     return {"tokenizer": tok.spec, "vocab_size": tok.vocab_size, "inputs": [[str(p), f] for p, f in sources],
             "train_on": train_on, "max_length": max_length, "val_fraction": val_fraction, "truncated": truncated,

@@ -52,7 +52,8 @@ from torch.utils.data import Dataset
 from .. import distributed
 from ..config import ConfigError
 from .builtin import IGNORE_INDEX
-from .hf_chat import FORMATS, ChatTemplate, Conversations, _checked, _records, check_lengths, join
+from .hf_chat import (FORMATS, ChatTemplate, Conversations, Streams, _checked, _records, check_lengths, join,
+                      write_in_batches)
 from .hf_text import OUTCOMES, Sources, agreed, build_cache, cache_root, check_common, files_key, resolve_files
 from .prepare import held_out
 from .tokenizer import TextTokenizer, load_tokenizer
@@ -184,16 +185,12 @@ def _write(out: Path, sources: Sources, tok: TextTokenizer, template: ChatTempla
     """out/<split>.<side>.ids (uint32), .trained (uint8) and .offsets.npy (int64): a side of a split is stored
     as data=hf_chat stores conversations, so Conversations reads it. Returns the meta."""
     started = time.perf_counter()
-    parts = [(split, side) for split in ("train", "val") for side in SIDES]
-    files = {part: {kind: open(out / f"{part[0]}.{part[1]}.{kind}", "wb") for kind in ("ids", "trained")}
-             for part in parts}
-    offsets: Dict[Tuple[str, str], List[int]] = {part: [0] for part in parts}
+    streams = Streams(out, [f"{split}.{side}" for split in ("train", "val") for side in SIDES])
     counts = {split: {"pairs": 0, **{f"{side}_{what}": 0 for side in SIDES for what in ("tokens", "trained_tokens")}}
               for split in ("train", "val")}
     truncated = dropped = index = 0
-    batch: List[Pair] = []
 
-    def flush() -> None:
+    def flush(batch: List[Pair]) -> None:
         nonlocal truncated, dropped, index
         for sides in encode(tok, template, columns, batch):
             split = "val" if held_out(index, val_fraction) else "train"
@@ -205,26 +202,16 @@ def _write(out: Path, sources: Sources, tok: TextTokenizer, template: ChatTempla
                 dropped += 1  # a pair compares two answers: both must keep a trained token
                 continue
             for side, (ids, trained) in sides.items():
-                files[split, side]["ids"].write(ids.tobytes())
-                files[split, side]["trained"].write(trained.tobytes())
-                offsets[split, side].append(offsets[split, side][-1] + ids.size)
+                streams.write(f"{split}.{side}", ids, trained)
                 counts[split][f"{side}_tokens"] += int(ids.size)
                 counts[split][f"{side}_trained_tokens"] += int(trained.sum())
             counts[split]["pairs"] += 1
-        batch.clear()
 
     try:
-        for pair in read_pairs(sources, columns, out / "datasets"):
-            batch.append(pair)
-            if len(batch) == BATCH_PAIRS:
-                flush()
-        flush()
+        write_in_batches(read_pairs(sources, columns, out / "datasets"), BATCH_PAIRS, flush)
     finally:
-        for part in files.values():
-            for f in part.values():
-                f.close()
-    for (split, side), offs in offsets.items():
-        np.save(out / f"{split}.{side}.offsets.npy", np.asarray(offs, dtype=np.int64))
+        streams.close()
+    streams.save_offsets()
     shutil.rmtree(out / "datasets", ignore_errors=True)  # datasets' arrow copies of parquet files
     return {"tokenizer": tok.spec, "vocab_size": tok.vocab_size, "inputs": [[str(p), f] for p, f in sources],
             "columns": [columns.prompt, columns.chosen, columns.rejected], "max_length": max_length,
