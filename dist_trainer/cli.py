@@ -39,6 +39,9 @@ OmegaConf.register_new_resolver("dt_rank", distributed.rank, replace=True)
 # Only rank 0 writes Hydra's .hydra/ record of the config.
 OmegaConf.register_new_resolver("dt_output_subdir", lambda: ".hydra" if distributed.rank() == 0 else None,
                                 replace=True)
+# The global batch: the given number of samples, but task=grpo's, which is its prompts x their completions.
+OmegaConf.register_new_resolver(
+    "dt_global_batch", lambda given, task, prompts, group: prompts * group if task == "grpo" else given, replace=True)
 ConfigStore.instance().store(name="dist_trainer_schema", node=Config)
 
 log = logging.getLogger("dist_trainer")

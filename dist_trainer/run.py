@@ -202,7 +202,7 @@ def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
         # task=dpo: its reference (a copy: of the model as built; where the model is cut, built again and cut alike)
         copy_of = (lambda: reference_copy(cfg, env, strategy, precision, rng, sharded, (make, whole, source))
                    ) if mesh.cuts_model else None
-        build_objective(cfg, strategy.module, copy_of)
+        build_objective(cfg, strategy.module, copy_of, train_set, precision.autocast, mesh.cuts_model)
         if materialise is not None:  # a frozen base built on the meta device: its digest from the shards
             frozen = sharded_frozen_digest(strategy.module, env.device)
     # rl.reference=precomputed: each pair's values under the model as built (cached), carried by its samples

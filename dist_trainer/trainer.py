@@ -183,7 +183,9 @@ class Trainer:
         strategy.track_peak(self.state_mb is None)  # until the step that measures state_mb
         self.weights.zero_grad()
         counted = [bool(indices) for indices in window]  # a placeholder micro-batch runs, but counts nowhere
-        self._begin_step(batches, counted)  # the step's figures from zero; MoE's global aux term: its counts, first
+        # the step's figures from zero (task=grpo: its rollouts, which become the micro-batches); MoE's global aux
+        # term: its counts, first
+        batches = self._begin_step(batches, counted, step)
         if self.pipeline is not None:  # pipeline stages: the schedule runs every micro-batch, the last stage the loss
             loss_sum, items = self.pipeline(batches, counted)
         else:
@@ -234,15 +236,16 @@ class Trainer:
         return {"comm": comm, "allreduces": comm.get("allreduces", 0),
                 "allreduce_bytes": comm.get("allreduce_bytes", 0)}
 
-    def _begin_step(self, batches: List[Any], counted: List[bool]) -> None:
+    def _begin_step(self, batches: List[Any], counted: List[bool], step: int) -> List[Any]:
         """The objective's figures and MoE's expert counts start from zero; where the global aux term needs the
         counts before the first backward, the window's forward passes run first without gradients to count them,
-        summed over ranks."""
-        self.objective.begin_step(self.env.device, batches, counted, self._all_reduce)
+        summed over ranks. The micro-batches to run: the objective's (task=grpo: its rollouts' rows)."""
+        batches = list(self.objective.begin_step(self.env.device, batches, counted, self._all_reduce, step))
         self.routing.begin_step(self.env.device)
         if self.routing.needs_prepass(len(counted), self.plan.data_ranks):
             self.routing.count_window(lambda: self.forward_window(batches, counted), self._reduce_counts,
                                       self.env.device)
+        return batches
 
     def _forward_micro_batches(self, batches: List[Any], counted: List[bool]) -> None:
         """Each micro-batch's forward without gradients, as the step runs it (the MoE counts' pass)."""

@@ -22,7 +22,7 @@ from .moe.ep import check_ep_size
 from .moe.routing import check_moe
 from .optim.muon import check_muon
 from .parallel.checks import check_cp, check_pp, check_pp_window, check_tp
-from .rl.checks import check_publish, check_task, check_task_mesh
+from .rl.checks import check_publish, check_task, check_task_mesh, resolve_grpo_batch
 
 log = logging.getLogger("dist_trainer")
 
@@ -256,7 +256,7 @@ def validate(cfg: Config, world_size: int, local_world_size: Optional[int] = Non
         check(cfg)
     # Keys left at auto get their value here, once, in place: what is built, planned and saved reads a mode.
     # (After the keys' checks: check_pp refuses an explicit micro_batch only, which auto never becomes there.)
-    chosen = tuple(line for line in (resolve_reshard(cfg.dist),) if line)
+    chosen = tuple(line for line in (resolve_reshard(cfg.dist), resolve_grpo_batch(cfg)) if line)
     batch = _planned_batch(cfg, world_size)
     mesh = derive_mesh(cfg.dist, world_size, local_world_size or world_size)
     for check in MESH_CHECKS:

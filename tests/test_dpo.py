@@ -318,8 +318,8 @@ def test_what_dpo_cannot_run_under_names_the_key(pairs):
     files, cache = pairs
     base = lambda **kw: dpo_config(files, cache, 1, "copy", **kw)  # noqa: E731
     cfg = base()
-    cfg.task = "grpo"
-    assert "task='grpo'" in _refused(cfg)
+    cfg.task = "ppo"
+    assert "task='ppo'" in _refused(cfg)
     cfg = base()
     cfg.rl = RLConfig(reference="adapter")
     assert "rl.reference='adapter'" in _refused(cfg) and "model.lora.r" in _refused(cfg)

@@ -5,7 +5,8 @@ and none of it knows a feature. Below the entry point nothing sees Hydra; ``dist
 runs each feature's checks on the composed ``Config`` and derives the ``BatchPlan`` before any tensor exists.
 """
 
-from .schema import (DPO_LOSSES, REFERENCES, TASKS, DPOConfig, RLConfig, ACCUM_SYNCS, LOADER_KEYS, LOGGER_PACKAGES, LOGGERS, LR_SCALINGS, NONFINITE_POLICIES, OPTIMIZERS,
+from .schema import (ADVANTAGE_ESTIMATORS, ADVANTAGE_SCALES, KL_ESTIMATORS, LOSS_AGG_ALIASES, LOSS_AGGS,
+                     DPO_LOSSES, REFERENCES, TASKS, DPOConfig, RLConfig, ACCUM_SYNCS, LOADER_KEYS, LOGGER_PACKAGES, LOGGERS, LR_SCALINGS, NONFINITE_POLICIES, OPTIMIZERS,
                      PP_SCHEDULES, PRECISIONS, RESHARDS, SCHEDULES, STRATEGIES, TP_STYLES, BatchConfig, Config,
                      ConfigError, CPConfig, DistConfig, EPConfig, Fp8Config, FSDPConfig, LoggingConfig,
                      LossScaleConfig, MlflowConfig, MuonConfig, OptimConfig, PlanConfig, PPConfig, PrecisionConfig,
@@ -13,6 +14,7 @@ from .schema import (DPO_LOSSES, REFERENCES, TASKS, DPOConfig, RLConfig, ACCUM_S
 from .shapes import MIB, BatchPlan, MeshShape, derive_batch, derive_mesh, mib_text, resolve_reshard, scaled_lr
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS", "ADVANTAGE_SCALES", "KL_ESTIMATORS", "LOSS_AGG_ALIASES", "LOSS_AGGS",
     "DPO_LOSSES", "REFERENCES", "TASKS", "DPOConfig", "RLConfig",
     "ACCUM_SYNCS", "LOADER_KEYS", "LOGGER_PACKAGES", "LOGGERS", "LR_SCALINGS", "NONFINITE_POLICIES", "OPTIMIZERS",
     "PP_SCHEDULES", "PRECISIONS", "RESHARDS", "SCHEDULES", "STRATEGIES", "TP_STYLES", "BatchConfig", "Config",

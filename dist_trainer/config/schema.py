@@ -309,7 +309,7 @@ class LoggingConfig:
     hf_model_artifact: bool = False  # also upload hf_model/ at the end (the report's PNGs always go)
 
 
-TASKS = ("lm", "dpo")
+TASKS = ("lm", "dpo", "grpo")
 DPO_LOSSES = ("sigmoid", "ipo", "hinge", "robust")
 REFERENCES = ("auto", "copy", "adapter", "none", "precomputed")
 
@@ -324,6 +324,65 @@ class DPOConfig:
     label_smoothing: float = 0.0  # sigmoid and robust: the assumed fraction of flipped labels, in [0, 0.5)
     # The weight of an NLL term on the chosen answers (RPO's), token-weighted over all the step's chosen tokens
     sft_weight: float = 0.0
+
+
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "mean")
+ADVANTAGE_SCALES = ("group", "batch", "none")
+# rl.loss.agg, and the aliases each paper's name stands for
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+LOSS_AGG_ALIASES = {"dapo": "token-mean", "grpo": "seq-mean-token-mean", "dr_grpo": "seq-mean-token-sum-norm"}
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+@dataclass
+class AdvantageConfig:
+    """rl.advantage: how a completion's reward becomes its advantage (task=grpo; dist_trainer/rl/grpo.py)."""
+
+    # grpo: reward - its group's mean; rloo: reward - the mean of the group's other rewards; mean: as grpo
+    # (the two differ only in how they scale: rloo's is G/(G-1) times grpo's)
+    estimator: str = "grpo"
+    # group: divided by its group's standard deviation (+ 1e-4); batch: by the step's; none: not divided (Dr. GRPO)
+    scale: str = "group"
+
+
+@dataclass
+class LossAggConfig:
+    """rl.loss: how the step's per-token terms become one loss, over the whole step whatever its split."""
+
+    # token-mean (alias dapo): every completion token of the step weighs the same; seq-mean-token-mean (grpo): a
+    # sequence's mean over its tokens, averaged over the step's sequences; seq-mean-token-sum: a sequence's sum,
+    # averaged over sequences; seq-mean-token-sum-norm (dr_grpo): a sequence's sum over rl.loss.max_tokens,
+    # averaged over sequences. A mean per micro-batch is refused: it changes with the split
+    agg: str = "token-mean"
+    max_tokens: Optional[int] = None  # seq-mean-token-sum-norm's constant; null: rl.rollout.max_new_tokens
+
+
+@dataclass
+class ClipConfig:
+    """rl.clip: the ratio's clip range [1 - low, 1 + high] (DAPO's clip-higher: high > low)."""
+
+    low: float = 0.2  # the ratio's lower bound is 1 - low (applies where the advantage is negative)
+    high: float = 0.2  # its upper bound is 1 + high (where the advantage is positive); DAPO raises it, e.g. 0.28
+
+
+@dataclass
+class KLConfig:
+    """rl.kl: a per-token KL penalty against the reference (rl.reference), added to the loss."""
+
+    coef: float = 0.0  # 0: no KL term (and no reference pass)
+    # k1: logp - ref; k2: (logp - ref)^2 / 2; k3: exp(ref - logp) - (ref - logp) - 1 (Schulman's, unbiased, >= 0)
+    estimator: str = "k3"
+
+
+@dataclass
+class RolloutConfig:
+    """rl.rollout: how the trainer samples each prompt's completions."""
+
+    max_new_tokens: int = 64  # a completion's most tokens; one that has not ended by then is truncated
+    # The sampling temperature (> 0), applied identically when the trainer scores the completions; full
+    # sampling from the tempered distribution (truncated sampling such as top-p or top-k is not offered: the
+    # scored distribution would not be the sampled one)
+    temperature: float = 1.0
 
 
 PUBLISH_MODES = ("none", "disk", "sglang")
@@ -346,7 +405,8 @@ class PublishConfig:
 
 @dataclass
 class RLConfig:
-    """rl: post-training with preferences (task=dpo): the reference model and each objective's keys."""
+    """rl: post-training with preferences (task=dpo) and rewards (task=grpo): the reference model and each
+    objective's keys."""
 
     # What the policy is measured against: copy (a frozen copy of the model as built), adapter (with model.lora:
     # the policy with its adapters disabled, no second copy), none (no reference: its log-probabilities 0),
@@ -355,6 +415,21 @@ class RLConfig:
     # auto: adapter with LoRA, else copy
     reference: str = "auto"
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    # task=grpo: prompts per optimizer step; the step's global batch is prompts_per_step x group_size sequences
+    # (batch.global_batch_size follows it, or must equal it)
+    prompts_per_step: int = 8
+    group_size: int = 4  # task=grpo: completions sampled per prompt (a group, compared with one another)
+    # exact_answer (a completion, cut at its end of turn and stripped, equals the record's answer), or a node
+    # {_target_: module.function} naming any callable (prompt, completion, **record) -> float
+    reward: Any = "exact_answer"
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    loss: LossAggConfig = field(default_factory=LossAggConfig)
+    clip: ClipConfig = field(default_factory=ClipConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+    entropy_coef: float = 0.0  # a bonus on the completions' token entropy (subtracted from the loss)
+    # Optimizer steps on each step's rollouts: 1, so the old log-probabilities are the current ones (ratio 1)
+    inner_steps: int = 1
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     publish: PublishConfig = field(default_factory=PublishConfig)  # Published during training, whatever the task
 
 
@@ -388,7 +463,8 @@ class Config:
     # jsonl (always written), tensorboard, wandb, mlflow: a name or a list, e.g. logger=[jsonl,wandb]
     logger: Any = "jsonl"
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-    # What the run trains: lm (the next token, or the masked ones: the data's own loss) or dpo (preference pairs
-    # of data=hf_preference against a reference model: rl.*)
+    # What the run trains: lm (the next token, or the masked ones: the data's own loss), dpo (preference pairs
+    # of data=hf_preference against a reference model: rl.*) or grpo (the model's own completions of the prompts
+    # of data=hf_prompts, rewarded: rl.*)
     task: str = "lm"
     rl: RLConfig = field(default_factory=RLConfig)

@@ -60,7 +60,8 @@ def build_dataset(node: Dict[str, Any], **overrides: Any) -> Dataset:
 class StepPlan:
     """Which samples each rank uses in each micro-batch of each optimizer step."""
 
-    def __init__(self, num_samples: int, plan: BatchPlan, rank: int, seed: int, shuffle: bool, drop_last: bool):
+    def __init__(self, num_samples: int, plan: BatchPlan, rank: int, seed: int, shuffle: bool, drop_last: bool,
+                 group: int = 1):
         if num_samples < 1:
             raise ConfigError("data._target_ returned an empty dataset: it has no sample to train on")
         if drop_last and num_samples < plan.global_batch_size:
@@ -71,12 +72,19 @@ class StepPlan:
             )
         self.num_samples, self.plan, self.rank = num_samples, plan, rank
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
+        # Samples that go together (task=grpo: a prompt's completions): the order permutes whole groups of
+        # ``group`` consecutive samples, so a group is never cut between two steps (the global batch is a
+        # multiple of it); inside a step its samples still go to ranks one by one.
+        if num_samples % group or plan.global_batch_size % group:
+            raise ValueError(f"{num_samples} samples and a global batch of {plan.global_batch_size} are not whole "
+                             f"groups of {group}")
+        self.group = group
 
     @classmethod
     def for_config(cls, num_samples: int, cfg: Config, plan: BatchPlan, rank: int) -> "StepPlan":
         """The plan the configuration asks for (data.shuffle defaults to true, data.drop_last to false)."""
-        return cls(num_samples, plan, rank, cfg.trainer.seed,
-                   cfg.data.get("shuffle", True), cfg.data.get("drop_last", False))
+        return cls(num_samples, plan, rank, cfg.trainer.seed, cfg.data.get("shuffle", True),
+                   cfg.data.get("drop_last", False), cfg.rl.group_size if cfg.task == "grpo" else 1)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -85,7 +93,8 @@ class StepPlan:
 
     def sample_order(self, epoch: int) -> "SampleOrder":
         """Position in the epoch -> sample index: a seeded bijection, computed on the fly (O(1) to start)."""
-        return SampleOrder(self.num_samples, hash_key(self.seed, epoch) if self.shuffle else None)
+        order = SampleOrder(self.num_samples // self.group, hash_key(self.seed, epoch) if self.shuffle else None)
+        return order if self.group == 1 else GroupedOrder(order, self.group)
 
     def order(self, epoch: int) -> torch.Tensor:
         """The whole epoch's order, materialised (for inspection and tests; training never builds it)."""
@@ -109,6 +118,17 @@ class StepPlan:
             # Rank 0's count of micro-batches, on every rank: the missing ones are
             # empty, i.e. placeholders (only in a short last step).
             yield [mine[i * micro:(i + 1) * micro] for i in range(self.micro_batches(step))]
+
+
+class GroupedOrder:
+    """Position -> sample index where samples come in groups of ``group``: the groups permuted, each in order."""
+
+    def __init__(self, groups: "SampleOrder", group: int):
+        self.groups, self.group = groups, group
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        positions = np.asarray(positions, dtype=np.int64)
+        return self.groups(positions // self.group) * self.group + positions % self.group
 
 
 class SampleOrder:

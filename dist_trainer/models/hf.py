@@ -23,6 +23,7 @@ bias-free linear map of that output (soft-capped or scaled logits, a bias) is re
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Sequence
 
@@ -209,6 +210,32 @@ class HFModel(nn.Module):
         labels = batch["labels"][:, 1:]  # position t predicts token t + 1
         nll = F.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none")
         return -nll.sum(dim=1), (labels != IGNORE_INDEX).sum(dim=1)
+
+    def token_logps(self, batch: Mapping[str, torch.Tensor], temperature: float = 1.0, entropy: bool = False,
+                    entropy_grad: bool = False, body: Optional[nn.Module] = None
+                    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Each labelled position's log-probability of its token under the logits over ``temperature``, in FP32
+        (``[rows, length - 1]``, position t predicting token t + 1; 0 where unlabelled), and, with ``entropy``, the
+        tempered distribution's entropy there (with its gradient where ``entropy_grad``). Under this model, or
+        under ``body``."""
+        inputs = {key: batch[key] for key in MODEL_INPUTS if key in batch}
+        logits = (body if body is not None else self.model)(**inputs, **self._call_kwargs).logits[:, :-1]
+        logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+        labels = batch["labels"][:, 1:]
+        mask = labels != IGNORE_INDEX
+        token = logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask
+        if not entropy:
+            return token, None
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            return token, -(logp.exp() * logp).sum(-1) * mask
+
+    def decode_step(self, input_ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
+        """One sampling step: the last position's logits (FP32) of ``input_ids`` after ``cache`` (None: a prompt's
+        first pass), and the cache grown by them. Rows of one prompt, unpadded."""
+        # transformers names the cache ``cache`` from 5.x on, ``past_key_values`` before
+        name = "cache" if "cache" in inspect.signature(self._causal_lm.forward).parameters else "past_key_values"
+        out = self.model(input_ids=input_ids, use_cache=True, **{name: cache})
+        return out.logits[:, -1].float(), getattr(out, name)
 
     def head_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> Dict[str, torch.Tensor]:
         """``loss_terms`` of the head's logits of ``hidden`` (the final norm's output), ``chunk_tokens`` rows at a

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from ..config import DPO_LOSSES, REFERENCES, TASKS, Config, MeshShape, require
+from ..config import (ADVANTAGE_ESTIMATORS, ADVANTAGE_SCALES, DPO_LOSSES, KL_ESTIMATORS, LOSS_AGG_ALIASES, LOSS_AGGS,
+                      REFERENCES, TASKS, Config, MeshShape, require)
 from ..config.schema import PUBLISH_DTYPES, PUBLISH_MODES
 
 HF_MODELS = ("dist_trainer.models.hf.hf_model", "dist_trainer.hf.models.hf_model")
 PREFERENCE_DATA = ("dist_trainer.data.hf_preference.hf_preference", "dist_trainer.data.hf_preference")
+PROMPT_DATA = ("dist_trainer.data.hf_prompts.hf_prompts",)
+# Normalisations others offer that change with the split; refused, with the reason (rl.loss.agg)
+PER_MICRO_BATCH = {"bnpo": "TRL's bnpo: a token mean over each micro-batch",
+                   "token-mean-per-micro-batch": "a token mean over each micro-batch",
+                   "sample-mean": "a mean over each micro-batch's sequences"}
 
 
 def lora_rank(cfg: Config) -> int:
@@ -25,9 +31,13 @@ def check_task(cfg: Config) -> None:
     """``task``, ``rl.reference`` and ``rl.dpo.*``: known values, and the model and data the task reads."""
     require(cfg.task in TASKS, "task", cfg.task, f"choose one of {', '.join(TASKS)}")
     preference = cfg.data.get("_target_") in PREFERENCE_DATA
+    prompts = cfg.data.get("_target_") in PROMPT_DATA
     if cfg.task == "lm":
         require(not preference, "task", cfg.task, "data=hf_preference holds preference pairs: train them with task=dpo")
+        require(not prompts, "task", cfg.task, "data=hf_prompts holds prompts to sample: train them with task=grpo")
         return
+    if cfg.task == "grpo":
+        return check_grpo(cfg, prompts)
     require(preference, "data", cfg.data.get("_target_"), "task=dpo trains on preference pairs: use data=hf_preference")
     require(cfg.model.get("_target_") in HF_MODELS and cfg.model.get("task", "causal_lm") == "causal_lm", "model",
             cfg.model.get("_target_"), "task=dpo trains a causal LM's answers: use model=hf_causal_lm")
@@ -83,3 +93,82 @@ def check_publish(cfg: Config) -> None:
                 "model", cfg.model.get("_target_"),
                 f"rl.publish.mode={pub.mode} writes a Hugging Face causal LM's directory for a server to load: "
                 "use model=hf_causal_lm (or rl.publish.mode=none)")
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_grpo(cfg: Config, prompts: bool) -> None:
+    """task=grpo's keys: the data and model it samples, the group, the reward, the advantage, the loss's
+    aggregation (a per-micro-batch mean refused, with the reason), the clip, the KL term and the rollouts."""
+    require(prompts, "data", cfg.data.get("_target_"), "task=grpo samples completions of prompts: use data=hf_prompts")
+    require(cfg.model.get("_target_") in HF_MODELS and cfg.model.get("task", "causal_lm") == "causal_lm", "model",
+            cfg.model.get("_target_"), "task=grpo samples a causal LM's completions: use model=hf_causal_lm")
+    rl = cfg.rl
+    for key, value in (("rl.prompts_per_step", rl.prompts_per_step), ("rl.group_size", rl.group_size)):
+        require(_count(value) and value >= 1, key, value, "must be an integer >= 1")
+    glob = cfg.batch.global_batch_size
+    sequences = rl.prompts_per_step * rl.group_size
+    require(glob is None or glob == sequences, "batch.global_batch_size", glob,
+            f"task=grpo's global batch is rl.prompts_per_step x rl.group_size = {sequences} sequences: leave it "
+            "null or set it to that")
+    require(cfg.batch.micro_batch_size != "auto", "batch.micro_batch_size", "auto",
+            "task=grpo: give the micro-batch in sequences (the finder measures a fixed sample, not a rollout)")
+    reward = rl.reward
+    if isinstance(reward, str):
+        from .rewards import BUILT_IN
+
+        require(reward in BUILT_IN, "rl.reward", reward,
+                f"choose one of {', '.join(BUILT_IN)}, or name a callable in rl.reward._target_")
+    else:
+        require(isinstance(reward, dict) and isinstance(reward.get("_target_"), str), "rl.reward", reward,
+                "a built-in's name, or {_target_: module.function} for a callable (prompt, completion, **record)")
+    require(rl.advantage.estimator in ADVANTAGE_ESTIMATORS, "rl.advantage.estimator", rl.advantage.estimator,
+            f"choose one of {', '.join(ADVANTAGE_ESTIMATORS)}")
+    require(rl.advantage.scale in ADVANTAGE_SCALES, "rl.advantage.scale", rl.advantage.scale,
+            f"choose one of {', '.join(ADVANTAGE_SCALES)}")
+    agg = rl.loss.agg
+    require(agg not in PER_MICRO_BATCH, "rl.loss.agg", agg,
+            f"{PER_MICRO_BATCH.get(agg, '')} changes with how the step is split into micro-batches and ranks, so the "
+            "update would not be the big batch's; token-mean is the mean over every token of the step")
+    require(agg in LOSS_AGGS or agg in LOSS_AGG_ALIASES, "rl.loss.agg", agg,
+            f"choose one of {', '.join(LOSS_AGGS)} (or {', '.join(LOSS_AGG_ALIASES)})")
+    max_tokens = rl.loss.max_tokens
+    require(max_tokens is None or (_count(max_tokens) and max_tokens >= 1), "rl.loss.max_tokens", max_tokens,
+            "an integer >= 1, or null (rl.rollout.max_new_tokens)")
+    for key, value in (("rl.clip.low", rl.clip.low), ("rl.clip.high", rl.clip.high)):
+        require(_number(value) and value >= 0, key, value, "must be a number >= 0")
+    require(rl.clip.low < 1, "rl.clip.low", rl.clip.low, "must be < 1 (the ratio's lower bound is 1 - low)")
+    require(_number(rl.kl.coef) and rl.kl.coef >= 0, "rl.kl.coef", rl.kl.coef, "must be a number >= 0 (0: no KL)")
+    require(rl.kl.estimator in KL_ESTIMATORS, "rl.kl.estimator", rl.kl.estimator,
+            f"choose one of {', '.join(KL_ESTIMATORS)}")
+    require(_number(rl.entropy_coef) and rl.entropy_coef >= 0, "rl.entropy_coef", rl.entropy_coef,
+            "must be a number >= 0")
+    require(rl.inner_steps == 1, "rl.inner_steps", rl.inner_steps,
+            "only 1 is offered: each step's rollouts are trained by one optimizer step, so the old log-probabilities "
+            "are the current ones (ratio 1)")
+    require(rl.reference in REFERENCES and rl.reference != "precomputed", "rl.reference", rl.reference,
+            "task=grpo's completions are new each step: choose auto, copy, adapter or none")
+    require(reference_kind(cfg) != "adapter" or lora_rank(cfg) > 0, "rl.reference", rl.reference,
+            "adapter is the policy with its LoRA adapters disabled: set model.lora.r (or rl.reference=copy)")
+    rollout = rl.rollout
+    require(_count(rollout.max_new_tokens) and rollout.max_new_tokens >= 1, "rl.rollout.max_new_tokens",
+            rollout.max_new_tokens, "must be an integer >= 1")
+    require(_number(rollout.temperature) and rollout.temperature > 0, "rl.rollout.temperature", rollout.temperature,
+            "must be a number > 0 (sampling from the tempered distribution; greedy decoding has no ratio to train)")
+    require(not cfg.data.get("num_workers"), "data.num_workers", cfg.data.get("num_workers"),
+            "data=hf_prompts hands the sampler prompt indices: it needs no worker (set 0)")
+
+
+def resolve_grpo_batch(cfg: Config) -> str:
+    """task=grpo: batch.global_batch_size, left null, becomes rl.prompts_per_step x rl.group_size (a chosen line)."""
+    if cfg.task != "grpo" or cfg.batch.global_batch_size is not None:
+        return ""
+    cfg.batch.global_batch_size = cfg.rl.prompts_per_step * cfg.rl.group_size
+    return (f"batch.global_batch_size={cfg.batch.global_batch_size} (rl.prompts_per_step x rl.group_size "
+            "completions a step)")

@@ -50,8 +50,10 @@ class NoObjective:
     reference_passes = 0  # forward passes of the policy's own modules a micro-batch adds (plan mode counts them)
 
     def begin_step(self, device: torch.device, batches: Sequence[Mapping[str, torch.Tensor]],
-                   counted: Sequence[bool], all_reduce: Callable[[torch.Tensor], None]) -> None:
-        pass
+                   counted: Sequence[bool], all_reduce: Callable[[torch.Tensor], None], step: int = 0) -> Sequence[Any]:
+        """Before the step's first micro-batch (``step``: optimizer steps done): the micro-batches to run, made
+        from the loader's (task=grpo samples its rows here); as they are for the others."""
+        return batches
 
     def micro_batch(self, counted: bool) -> ContextManager:
         return nullcontext()
@@ -115,12 +117,12 @@ class DPO(NoObjective):
         return (z - 1 / (2 * beta)) ** 2  # ipo
 
     def begin_step(self, device: torch.device, batches: Sequence[Mapping[str, torch.Tensor]],
-                   counted: Sequence[bool], all_reduce: Callable[[torch.Tensor], None]) -> None:
+                   counted: Sequence[bool], all_reduce: Callable[[torch.Tensor], None], step: int = 0) -> Sequence[Any]:
         """The figures from zero; with sft_weight the step's pairs and chosen tokens, every counted micro-batch of
-        every rank, in one all-reduce (float64: exact counts)."""
+        every rank, in one all-reduce (float64: exact counts). The micro-batches run as they are."""
         self._sums = torch.zeros(len(self.figures), dtype=torch.float64, device=device)
         if not self.sft_weight:
-            return
+            return batches
         totals = torch.zeros(2, dtype=torch.float64, device=device)
         for batch, count in zip(batches, counted):
             if count:
@@ -129,6 +131,7 @@ class DPO(NoObjective):
                 totals[1] += (batch["labels"][:pairs, 1:] != IGNORE_INDEX).sum()
         all_reduce(totals)
         self.pairs_per_token = (totals[0] / totals[1].clamp(min=1)).item()
+        return batches
 
     @contextmanager
     def micro_batch(self, counted: bool) -> Iterator[None]:
@@ -186,10 +189,12 @@ class CopyReference:
     trained): under ddp a deep copy of the policy before its first step; where the strategy cuts the model, the
     model built once more and sharded alike (``copy``: parallel.fsdp.FrozenShards), its gathers counted here."""
 
-    def __init__(self, module: nn.Module, copy_of: Optional[Callable[[], Any]] = None):
+    def __init__(self, module: nn.Module, copy_of: Optional[Callable[[], Any]] = None,
+                 measure: Optional[Callable[[nn.Module, Mapping[str, torch.Tensor]], Any]] = None):
         self.shards = copy_of() if copy_of is not None else None
         self.copy = self.shards.module if self.shards is not None else copy.deepcopy(module).requires_grad_(False)
-        self.copy.objective = answer_logps  # its forward gives each row's answer log-probability
+        # its forward gives what the objective compares: each row's answer log-probability (DPO's), or each token's
+        self.copy.objective = measure or answer_logps
         self.copy.eval()
 
     def __call__(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple:
@@ -203,11 +208,19 @@ def answer_logps(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple:
     return model.answer_logps(batch)
 
 
-def build_objective(cfg: Config, module: nn.Module, copy_of: Optional[Callable[[], Any]] = None) -> NoObjective:
+def build_objective(cfg: Config, module: nn.Module, copy_of: Optional[Callable[[], Any]] = None,
+                    prompts: Any = None, autocast: Callable[[], ContextManager] = nullcontext,
+                    lockstep: bool = False) -> NoObjective:
     """The task's objective for the strategy's module (``HFModel``), attached as its ``objective``; task=lm: none.
     Called once the strategy holds the model as built, before a checkpoint is loaded (a copy is of the model as
     built, at every resume alike). ``copy_of``: where the strategy cuts the model, builds a frozen copy sharded
-    alike (rl.reference=copy); None: a deep copy of ``module``."""
+    alike (rl.reference=copy); None: a deep copy of ``module``. task=grpo: ``prompts`` (data=hf_prompts; None in
+    plan mode, which samples nothing), the precision's ``autocast`` the sampler runs under, and ``lockstep``: a
+    forward is a collective (every rank samples alike many passes)."""
+    if cfg.task == "grpo":
+        from .grpo import build_grpo  # noqa: PLC0415 (the GRPO wing imports this module)
+
+        return build_grpo(cfg, module, copy_of, prompts, autocast, lockstep)
     if cfg.task != "dpo":
         return NoObjective()
     kind = reference_kind(cfg)

@@ -1,4 +1,5 @@
-"""task=dpo's plan numbers (no tensor, no process group): what its objective adds to a step's collectives."""
+"""task=dpo's and task=grpo's plan numbers (no tensor, no process group): what the objective adds to a step's
+collectives."""
 
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ def add_step(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precisio
     reshard=step once a step), whatever the reshard (measured: 2 and 3 blocks, prefetch 0 and 1, each reshard)."""
     objective = objective_of(model)
     counts["step_allreduce_bytes"] += objective.slots() * 8
+    if cfg.task == "grpo":
+        add_rollouts(cfg, plan, precision, group, counts)
     if getattr(objective, "sft_weight", 0):  # the step's pairs and chosen tokens, before its first backward
         counts["step_allreduces"] += 1
         counts["step_allreduce_bytes"] += 16
@@ -60,13 +63,41 @@ def add_step(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precisio
                               0)
 
 
+def sampling_passes(cfg: Config, plan: BatchPlan) -> int:
+    """task=grpo: the forward passes a rank's sampling runs in a step where every rank runs alike many (a forward
+    is a collective): as many groups as the rank with the most, rl.rollout.max_new_tokens passes each."""
+    return -(-cfg.rl.prompts_per_step // plan.mesh.world_size) * cfg.rl.rollout.max_new_tokens
+
+
+def add_rollouts(cfg: Config, plan: BatchPlan, precision: Precision, group: Dict[str, Any],
+                 counts: Dict[str, int]) -> None:
+    """The step's rollouts: two gathers of objects (the step's prompts; the completions and rewards) and one
+    all-reduce of the ratio's extremes, over ranks; under fsdp each sampling pass gathers every unit once (none
+    ahead: no gradient, each resharded after its forward). A reference copy's units are gathered once a
+    micro-batch where rl.kl.coef asks for it."""
+    if plan.mesh.world_size > 1:
+        counts["rl_object_gathers"] = counts.get("rl_object_gathers", 0) + 2
+        counts["rl_allreduces"] = counts.get("rl_allreduces", 0) + 1
+    if not dp_plan.sharded_by_fsdp(cfg):
+        return
+    passes, cut = sampling_passes(cfg, plan), {}
+    for unit in group["units"]:
+        gathered = dp_plan.unit_bytes(unit, plan.mesh.shard, precision, cut)[0]
+        dp_plan.add_unit_comm(counts, plan.mesh, gathered, 0, passes, 0)
+        if cfg.rl.kl.coef and reference_kind(cfg) == "copy":
+            dp_plan.add_unit_comm(counts, plan.mesh, gathered, 0, plan.accum_steps, 0)
+
+
 REFERENCE_TEXT = {"adapter": "the policy with its LoRA adapters disabled, no second copy",
                   "copy": "a frozen copy of the model as built", "precomputed": "log-probabilities read from the data cache",
                   "none": "none: log-probabilities of 0"}
 
 
 def rl_lines(cfg: Config, numbers: Dict[str, Any], model: nn.Module) -> List[str]:
-    """Plan mode's lines of task=dpo: the reference, what it adds to the step's collectives and to memory."""
+    """Plan mode's lines of task=dpo and task=grpo: the reference, what each adds to the step's collectives and to
+    memory."""
+    if cfg.task == "grpo":
+        return grpo_lines(cfg, numbers, model)
     if cfg.task != "dpo":
         return []
     objective, kind = objective_of(model), reference_kind(cfg)
@@ -78,4 +109,21 @@ def rl_lines(cfg: Config, numbers: Dict[str, Any], model: nn.Module) -> List[str
     if kind == "copy":
         lines.append(f"  the reference copy and any frozen base held per rank: {numbers['frozen_mb']:.2f} MiB "
                      "(frozen_mb)")
+    return lines
+
+
+def grpo_lines(cfg: Config, numbers: Dict[str, Any], model: nn.Module) -> List[str]:
+    rl, objective = cfg.rl, objective_of(model)
+    kind = reference_kind(cfg) if rl.kl.coef else "none"
+    world = numbers["world_size"]
+    lines = [f"  task=grpo: {rl.prompts_per_step} prompts x {rl.group_size} completions a step (at most "
+             f"{rl.rollout.max_new_tokens} new tokens, temperature {rl.rollout.temperature:g}), rl.loss.agg="
+             f"{rl.loss.agg}, rl.advantage={rl.advantage.estimator}/{rl.advantage.scale}; rl.kl.coef={rl.kl.coef:g}"
+             f" (reference: {REFERENCE_TEXT[kind]}); its figures add {objective.slots()} float64 slots to the "
+             "step's all-reduce"
+             + (", and each step 2 gathers of objects (its prompts; completions and rewards) and 1 all-reduce of 16 "
+                "bytes (the ratio's extremes) over the ranks" if world > 1 else "")]
+    if dp_plan.sharded_by_fsdp(cfg):
+        lines.append(f"  sampling under fsdp: every rank runs {-(-rl.prompts_per_step // world)} group(s) x "
+                     f"{rl.rollout.max_new_tokens} passes a step, each gathering every unit (in all-gathers above)")
     return lines

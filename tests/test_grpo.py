@@ -1,0 +1,325 @@
+"""task=grpo: whole steps (sample, reward, update) on 2 ranks equal one process, and the rollouts are token-identical.
+
+2 prompts a step, groups of 3 completions: 6 sequences a step, as 2 ranks x micro-batches of 1 x 3 accumulation
+steps (sample j of a step on rank j % 2, so every group straddles both ranks and several micro-batches) against one
+process with the step's 6 in one micro-batch. A tiny Llama built from its configuration, SGD (lr 0.2), 3 steps, a
+reward that varies with the completion's text (``text_reward``). Per step: the completions' tokens and rewards
+equal bit for bit, the gradients and the figures within SCALE_TOL of their scale, and the weights after the 3 steps;
+for each rl.loss.agg, each KL estimator against a frozen copy, the entropy bonus, LoRA against the model with its
+adapters disabled, and under fsdp (where every rank samples alike many passes). With one update per rollout the ratio
+is exactly 1 and nothing is clipped; the KL against the policy as built is exactly 0 at the first step.
+
+The three negative controls each fail the same bound on the same fixed rollout batch: a token mean per
+micro-batch, advantages normalised per rank, and masks made from the pad id where the pad id is the end of text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from dist_trainer.config import ConfigError, RLConfig, TPConfig
+from dist_trainer.data import epoch_batches
+from dist_trainer.data.builtin import IGNORE_INDEX
+from dist_trainer.data.loader import StepPlan
+from dist_trainer.rl.grpo import advantages, kl_terms
+from dist_trainer.rl.rewards import exact_answer
+from dist_trainer.rl.rollout import cut
+from dist_trainer.validation import validate
+from helpers import SCALE_TOL, assert_all_close_scaled, job_record, run_jobs
+from test_accumulation import in_one_process, launch_clean
+from test_hf_chat import chat_model, write_jsonl
+from test_hf_models import _full, config
+
+STEPS, PROMPTS, GROUP = 3, 2, 3
+LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": None}
+
+
+def text_reward(prompt, completion, answer=None, **record) -> float:
+    """A reward that every completion's text moves: its characters' codes, folded into [0, 1)."""
+    return (sum(map(ord, completion)) % 101) / 101.0
+
+
+def prompt_records(n: int, seed: int = 0) -> list:
+    r = random.Random(seed)
+    out = []
+    for i in range(n):
+        a, b = r.randint(0, 99), r.randint(0, 99)
+        prompt = f"What is {a}+{b}?"
+        out.append({"prompt": prompt if i % 2 else [{"role": "user", "content": prompt}], "answer": str(a + b)})
+    return out
+
+
+def prompt_data(files: list, group: int = GROUP) -> dict:
+    return {"_target_": "dist_trainer.data.hf_prompts.hf_prompts", "files": [str(f) for f in files],
+            "tokenizer": "bytes", "block_size": 256, "group_size": group, "shuffle": True}
+
+
+def grpo_config(files: list, micro: int, strategy: str = "ddp", agg: str = "token-mean", kl: float = 0.1,
+                estimator: str = "k3", entropy: float = 0.0, lora: bool = False, reference: str = "auto",
+                scale: str = "group", advantage: str = "grpo", prompts: int = PROMPTS, group: int = GROUP):
+    model = {**chat_model(), **({"lora": dict(LORA)} if lora else {})}
+    cfg = config(model, prompt_data(files, group), micro, strategy, steps=STEPS)
+    cfg.optim = dataclasses.replace(cfg.optim, lr=0.2)
+    cfg.batch.global_batch_size = None
+    cfg.task = "grpo"
+    cfg.rl = RLConfig(reference=reference, prompts_per_step=prompts, group_size=group,
+                      reward={"_target_": "test_grpo.text_reward"}, entropy_coef=entropy)
+    cfg.rl.loss.agg, cfg.rl.kl.coef, cfg.rl.kl.estimator = agg, kl, estimator
+    cfg.rl.advantage.scale, cfg.rl.advantage.estimator = scale, advantage
+    cfg.rl.rollout.max_new_tokens, cfg.rl.rollout.temperature = 8, 0.9
+    return cfg
+
+
+def _record(env, world: int, name: str, cfg) -> dict:
+    from dist_trainer.run import build
+
+    parts = build(cfg, validate(cfg, world), env)
+    module, rec = parts.trainer.module, {"grads": [], "outcomes": [], "sampled": []}
+    objective = parts.trainer.objective
+    batches = epoch_batches(parts.train_set, parts.step_plan, 0, 0, 0, False)
+    for step, (window, micro_batches) in zip(range(1, STEPS + 1), batches):
+        outcome = parts.trainer.train_step(micro_batches, window, step)
+        assert not outcome.skipped
+        rec["outcomes"].append({"loss": outcome.loss, "items": outcome.items, **outcome.rl})
+        rec["sampled"].append(objective.sampled)
+        rec.setdefault("comm", []).append(outcome.comm)
+        rec["grads"].append({n: _full(p.grad) for n, p in module.named_parameters() if p.requires_grad})
+    rec["params"] = {n: _full(p) for n, p in module.named_parameters() if p.requires_grad}
+    return rec
+
+
+def _worker(rank: int, world: int, jobs: list) -> dict:
+    return run_jobs(rank, world, jobs, _record)
+
+
+# name -> the keys of its jobs (the 2-rank job under the name's strategy, the one-process one under ddp)
+JOBS = {"token-mean": {"agg": "token-mean", "entropy": 0.01},
+        "seq-mean-token-mean": {"agg": "grpo", "estimator": "k1", "advantage": "rloo"},
+        "seq-mean-token-sum": {"agg": "seq-mean-token-sum", "estimator": "k2", "scale": "batch"},
+        "seq-mean-token-sum-norm": {"agg": "dr_grpo", "scale": "none", "advantage": "mean"},
+        "lora": {"lora": True, "reference": "adapter"},
+        # 3 groups of 2 over 2 ranks: under fsdp the rank with one group samples one more, to keep lockstep
+        "three-groups": {"prompts": 3, "group": 2, "entropy": 0.01}}
+SPLITS = ["token-mean/ddp", "seq-mean-token-mean/ddp", "seq-mean-token-sum/ddp", "seq-mean-token-sum-norm/ddp",
+          "lora/ddp", "token-mean/fsdp", "three-groups/fsdp"]
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    return [str(write_jsonl(tmp_path_factory.mktemp("grpo") / "prompts.jsonl", prompt_records(24, seed=3)))]
+
+
+@pytest.fixture(scope="module")
+def runs(prompts, tmp_path_factory):
+    one = in_one_process(_worker, [(name, grpo_config(prompts, 6, **keys)) for name, keys in JOBS.items()])
+    two = launch_clean(_worker, 2, tmp_path_factory.mktemp("grpo2"), [
+        (name, grpo_config(prompts, 1, strategy=name.split("/")[1], **JOBS[name.split("/")[0]])) for name in SPLITS])
+    return one, two
+
+
+@pytest.mark.parametrize("name", SPLITS)
+def test_whole_grpo_steps_on_two_ranks_equal_one_process(runs, name):
+    one, two = runs
+    ref = job_record(one, name.split("/")[0])
+    for rank, results in enumerate(two):
+        got = job_record(results, name)
+        for step in range(STEPS):
+            # the same completions, token for token, and the same rewards, bit for bit
+            assert got["sampled"][step] == ref["sampled"][step], (name, rank, step)
+            a, b = got["outcomes"][step], ref["outcomes"][step]
+            for key in b:
+                if not key.endswith("_s"):  # timings
+                    assert a[key] == pytest.approx(b[key], rel=SCALE_TOL, abs=SCALE_TOL), f"{name} {key} step {step}"
+            assert_all_close_scaled(got["grads"][step], ref["grads"][step], f"{name} rank {rank} step {step + 1}")
+        assert_all_close_scaled(got["params"], ref["params"], f"{name} rank {rank} weights after step {STEPS}")
+
+
+@pytest.mark.parametrize("name", SPLITS)
+def test_every_step_issues_what_plan_mode_predicts(runs, prompts, name):
+    """The rollouts' gathers and all-reduce; under fsdp every sampling pass gathers every unit, and the frozen
+    copy's units once a micro-batch."""
+    from dist_trainer.plan import plan_numbers, plan_report
+
+    kind, strategy = name.split("/")
+    cfg = grpo_config(prompts, 1, strategy=strategy, **JOBS[kind])
+    step = plan_numbers(cfg, validate(cfg, 2))["step"]
+    assert step["rl_object_gathers"] == 2 and step["rl_allreduces"] == 1
+    for rank, results in enumerate(runs[1]):
+        for number, comm in enumerate(job_record(results, name)["comm"][1:], 2):
+            assert {k: comm.get(k, 0) for k in step} == step, (name, rank, number)
+    if strategy == "fsdp":
+        groups = 2 if kind == "three-groups" else 1
+        assert f"every rank runs {groups} group(s) x 8 passes a step" in plan_report(cfg, 2)
+
+
+@pytest.mark.parametrize("name", list(JOBS))
+def test_ratio_is_one_and_the_first_kl_zero_and_the_rewards_vary(runs, name):
+    """One update per rollout: the ratio is exactly 1 and nothing clipped at every step. The reference is the
+    policy as built (a copy, or the adapters disabled): the KL is exactly 0 at the first step, and not after."""
+    outcomes = job_record(runs[0], name)["outcomes"]
+    for out in outcomes:
+        assert out["ratio_min"] == out["ratio_max"] == 1.0 and out["clip_frac"] == 0.0, out
+        assert out["reward_std"] > 0 and out["frac_zero_std_groups"] < 1 and 0 < out["completion_len_mean"] <= 8
+        assert out["items"] == (round(out["completion_len_mean"] * 6) if JOBS[name].get("agg", "token-mean")
+                                == "token-mean" else 6)  # tokens, or sequences
+    assert outcomes[0]["kl"] == 0.0 and outcomes[-1]["kl"] != 0.0
+    if name == "seq-mean-token-sum-norm":  # advantages around the step's mean: they sum to 0 over the step
+        assert outcomes[0]["advantage_mean"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_a_groups_samples_stay_together_in_a_step_on_any_world_size():
+    """The order permutes whole groups: each step holds PROMPTS whole groups, the same on 1 and 2 ranks."""
+    from test_accumulation import mlp_config
+
+    def step_slots(world: int) -> list:
+        cfg = mlp_config(1, n=24)
+        cfg.batch.global_batch_size = PROMPTS * GROUP
+        plan = validate(cfg, world)
+        steps = [[] for _ in range(4)]
+        for rank in range(world):
+            sp = StepPlan(24 * GROUP, plan, rank, 0, True, False, group=GROUP)
+            for step, window in zip(range(4), sp.windows(0)):
+                steps[step] += [i for mb in window for i in mb]
+        return [sorted(s) for s in steps]
+
+    one = step_slots(1)
+    assert one == step_slots(2)
+    for slots in one:
+        groups = {i // GROUP for i in slots}
+        assert len(groups) == PROMPTS and sorted(slots) == sorted(g * GROUP + k for g in groups for k in range(GROUP))
+
+
+# ------------------------------------------------------------------------------- closed forms
+
+def test_advantages_closed_forms():
+    r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5]], dtype=torch.float64)
+    grpo = advantages(r, "grpo", "none")
+    assert torch.equal(grpo, torch.tensor([[0.5, -0.5, -0.5, 0.5], [0.0] * 4], dtype=torch.float64))
+    rloo = advantages(r, "rloo", "none")  # r - the mean of the others = G / (G - 1) (r - mean)
+    assert torch.allclose(rloo, grpo * 4 / 3, rtol=0, atol=1e-15)
+    std = r[0].std().item()  # unbiased, as TRL's
+    assert torch.allclose(advantages(r, "grpo", "group")[0], grpo[0] / (std + 1e-4), rtol=0, atol=1e-15)
+    assert torch.equal(advantages(r, "grpo", "group")[1], torch.zeros(4, dtype=torch.float64))  # equal rewards: 0
+    assert torch.allclose(advantages(r, "mean", "batch"), (r - r.mean()) / (r.std() + 1e-4), rtol=0, atol=1e-15)
+    assert torch.equal(advantages(torch.tensor([[3.0], [1.0]], dtype=torch.float64), "grpo", "group"),
+                       torch.zeros(2, 1, dtype=torch.float64))  # a group of one: 0, not NaN
+
+
+def test_kl_estimators_and_the_mask_by_position():
+    logp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0])
+    d = ref - logp
+    assert torch.equal(kl_terms(logp, ref, "k1"), logp - ref)
+    assert torch.equal(kl_terms(logp, ref, "k2"), 0.5 * d * d)
+    assert torch.allclose(kl_terms(logp, ref, "k3"), torch.exp(d) - d - 1) and (kl_terms(logp, ref, "k3") >= 0).all()
+    # through the first end of turn, by position: a later end of turn and what follows are not the completion
+    assert cut([5, 6, 7, 9, 7], stop_ids=(7,)) == ([5, 6, 7], False)
+    assert cut([5, 6, 8], stop_ids=(7,)) == ([5, 6, 8], True)  # not ended: truncated, trained as it stands
+    assert exact_answer("What is 2+2?", " 4 \n", answer="4") == 1.0
+    assert exact_answer("What is 2+2?", "5", answer=4) == 0.0
+
+
+def test_refusals_name_the_key(prompts):
+    def refused(key: str, **change):
+        cfg = grpo_config(prompts, 1, **change.pop("keys", {}))
+        for path, value in change.items():
+            node, leaf = cfg, path.split(".")
+            for part in leaf[:-1]:
+                node = getattr(node, part)
+            setattr(node, leaf[-1], value)
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            validate(cfg, 2)
+
+    refused("rl.loss.agg", **{"rl.loss.agg": "bnpo"})  # a per-micro-batch mean: refused with the reason
+    refused("batch.global_batch_size", **{"batch.global_batch_size": 8})
+    refused("rl.reference", **{"rl.reference": "precomputed"})
+    refused("rl.reference", keys={"reference": "adapter"})  # no adapters
+    refused("rl.rollout.temperature", **{"rl.rollout.temperature": 0.0})
+    refused("rl.inner_steps", **{"rl.inner_steps": 2})
+    refused("rl.kl.estimator", **{"rl.kl.estimator": "k4"})
+    refused("dist.tp.size", **{"dist.tp": TPConfig(size=2)})
+    cfg = grpo_config(prompts, 1)
+    assert validate(cfg, 2).global_batch_size == PROMPTS * GROUP  # derived from the prompts and the group
+
+
+# ------------------------------------------------------------------------------- negative controls
+
+@pytest.fixture(scope="module")
+def fixed_batch(prompts):
+    """A fixed rollout batch of 6 rows (completions of 2 to 9 tokens, all but one ended by an end of turn, rewards
+    drawn once), the gradient of its loss (token-mean, advantages scaled by the batch's deviation) and of the three
+    controls' (in this process)."""
+    from dist_trainer.rl.grpo import advantages as advantages_of
+    from dist_trainer.run import build
+
+    cfg = grpo_config(prompts, PROMPTS * GROUP, kl=0.0, scale="batch")
+
+    def grads_of(env, world, name, cfg):
+        parts = build(cfg, validate(cfg, world), env)
+        objective, model = parts.trainer.objective, parts.trainer.module
+        window, batches = next(epoch_batches(parts.train_set, parts.step_plan, 0, 0, 0, False))
+        stop, r = objective.prompts.stop_ids[-1], random.Random(5)
+        slots = list(zip(batches[0]["prompt_index"].tolist(), batches[0]["sample"].tolist()))
+        prompts_ = sorted({p for p, _ in slots})
+        rewards = torch.tensor([[r.random() for _ in range(GROUP)] for _ in prompts_], dtype=torch.float64)
+        adv = advantages_of(rewards, "grpo", "batch")
+        completions = {slot: [r.randrange(40, 120) for _ in range(r.randint(1, 8))] + ([stop] if i else [])
+                       for i, slot in enumerate(slots)}
+        by_slot = {(p, s): (completions[(p, s)], float(adv[i, s])) for i, p in enumerate(prompts_)
+                   for s in range(GROUP)}
+        rows = objective.rows(batches[0], by_slot, env.device)
+
+        def grad(loss_of) -> dict:
+            model.zero_grad()
+            loss_of(rows).backward()
+            return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+        def mean(batch):
+            out = objective(model, batch)
+            return out["loss_sum"] / out["num_items"]
+
+        def per_micro_batch(batch):  # each micro-batch's own token mean, averaged over the 3 micro-batches
+            return sum(mean({k: v[i::3] for k, v in batch.items()}) for i in range(3)) / 3
+
+        def per_rank_advantages(batch):  # each rank's rows (j % 2) scaled by that rank's own rewards' deviation
+            own = torch.tensor([rewards[prompts_.index(p), s] for p, s in slots], dtype=torch.float64)
+            centred = torch.tensor([float(adv[prompts_.index(p), s]) for p, s in slots], dtype=torch.float64)
+            scaled = centred * (rewards.std() + 1e-4)  # back to reward - its group's mean
+            for k in range(2):
+                scaled[k::2] /= own[k::2].std() + 1e-4
+            return mean({**batch, "advantages": scaled})
+
+        def pad_masks(batch):  # the pad id taken for the end of turn (as where pad = eos): masks made by value
+            labels = batch["labels"].masked_fill(batch["input_ids"] == stop, IGNORE_INDEX)
+            return mean({**batch, "labels": labels})
+
+        ids = torch.as_tensor(objective.prompts.ids[0])
+        draws = []
+        for seed, step in ((1, 5), (2, 5), (1, 6)):  # the process's RNG changed, then the step
+            torch.manual_seed(seed)
+            draws.append(objective.sampler.group(ids, 0, step))
+        return {"draws": draws, "ref": grad(mean), "micro": grad(per_micro_batch), "rank": grad(per_rank_advantages),
+                "pad": grad(pad_masks), "ended": int((rows["labels"] == stop).sum())}
+
+    return in_one_process(lambda rank, world: run_jobs(rank, world, [("fixed", cfg)], grads_of))
+
+
+@pytest.mark.parametrize("control", ["micro", "rank", "pad"])
+def test_each_negative_control_fails_the_bound(fixed_batch, control):
+    rec = job_record(fixed_batch, "fixed")
+    assert rec["ended"] == PROMPTS * GROUP - 1  # the completions that end with an end of turn, labelled
+    err = max(((rec[control][n] - g).abs().max() / g.abs().max()).item() for n, g in rec["ref"].items())
+    assert err > 10 * SCALE_TOL, (control, err)
+    with pytest.raises(AssertionError):
+        assert_all_close_scaled(rec[control], rec["ref"], control)
+
+
+def test_sampling_is_keyed_by_the_step_not_the_process_rng(fixed_batch):
+    """A group drawn twice at one step under two different process RNG states is the same tokens (a resume
+    restores the RNG anyway, but sampling never reads it); at another step it is another draw."""
+    same, other_rng, other_step = job_record(fixed_batch, "fixed")["draws"]
+    assert same == other_rng and same != other_step
+    assert len(same) == GROUP and all(1 <= len(row) <= 8 for row in same)
