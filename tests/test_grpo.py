@@ -5,8 +5,8 @@ steps (sample j of a step on rank j % 2, so every group straddles both ranks and
 process with the step's 6 in one micro-batch. A tiny Llama built from its configuration, SGD (lr 0.2), 3 steps, a
 reward that varies with the completion's text (``text_reward``). Per step: the completions' tokens and rewards
 equal bit for bit, the gradients and the figures within SCALE_TOL of their scale, and the weights after the 3 steps;
-for each rl.loss.agg, each KL estimator against a frozen copy, the entropy bonus, LoRA against the model with its
-adapters disabled, and under fsdp (where every rank samples alike many passes). With one update per rollout the ratio
+for each rl.loss.agg, each KL estimator, each advantage estimator and scale, the entropy bonus, a frozen copy and LoRA
+against the model with its adapters disabled, and under fsdp (where every rank samples alike many passes). With one update per rollout the ratio
 is exactly 1 and nothing is clipped; the KL against the policy as built is exactly 0 at the first step.
 
 The three negative controls each fail the same bound on the same fixed rollout batch: a token mean per
@@ -96,16 +96,17 @@ def _worker(rank: int, world: int, jobs: list) -> dict:
     return run_jobs(rank, world, jobs, _record)
 
 
-# name -> the keys of its jobs (the 2-rank job under the name's strategy, the one-process one under ddp)
+# name -> the keys of its jobs (the 2-rank job under the name's strategy, the one-process one under ddp); between
+# them every aggregation, KL estimator, advantage estimator and scale, the entropy bonus and both references
 JOBS = {"token-mean": {"agg": "token-mean", "entropy": 0.01},
         "seq-mean-token-mean": {"agg": "grpo", "estimator": "k1", "advantage": "rloo"},
-        "seq-mean-token-sum": {"agg": "seq-mean-token-sum", "estimator": "k2", "scale": "batch"},
         "seq-mean-token-sum-norm": {"agg": "dr_grpo", "scale": "none", "advantage": "mean"},
-        "lora": {"lora": True, "reference": "adapter"},
+        "lora": {"lora": True, "reference": "adapter", "agg": "seq-mean-token-sum", "estimator": "k2",
+                 "scale": "batch"},
         # 3 groups of 2 over 2 ranks: under fsdp the rank with one group samples one more, to keep lockstep
         "three-groups": {"prompts": 3, "group": 2, "entropy": 0.01}}
-SPLITS = ["token-mean/ddp", "seq-mean-token-mean/ddp", "seq-mean-token-sum/ddp", "seq-mean-token-sum-norm/ddp",
-          "lora/ddp", "token-mean/fsdp", "three-groups/fsdp"]
+SPLITS = ["token-mean/ddp", "seq-mean-token-mean/ddp", "seq-mean-token-sum-norm/ddp", "lora/ddp",
+          "three-groups/fsdp"]
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +166,7 @@ def test_ratio_is_one_and_the_first_kl_zero_and_the_rewards_vary(runs, name):
         assert out["ratio_min"] == out["ratio_max"] == 1.0 and out["clip_frac"] == 0.0, out
         assert out["reward_std"] > 0 and out["frac_zero_std_groups"] < 1 and 0 < out["completion_len_mean"] <= 8
         assert out["items"] == (round(out["completion_len_mean"] * 6) if JOBS[name].get("agg", "token-mean")
-                                == "token-mean" else 6)  # tokens, or sequences
+                                in ("token-mean", "dapo") else 6)  # tokens, or sequences
     assert outcomes[0]["kl"] == 0.0 and outcomes[-1]["kl"] != 0.0
     if name == "seq-mean-token-sum-norm":  # advantages around the step's mean: they sum to 0 over the step
         assert outcomes[0]["advantage_mean"] == pytest.approx(0.0, abs=1e-12)
