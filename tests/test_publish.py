@@ -79,6 +79,97 @@ class FakeSGLang:
         self.http.server_close()
 
 
+class FakeGroupServer:
+    """An inference server's weight routes on 127.0.0.1, in threads of the test: SGLang's
+    /init_weights_update_group and /update_weights_from_distributed (``broadcast``), vLLM's
+    /init_weight_transfer_engine, /start_weight_update, /update_weights and /finish_weight_update (``vllm``).
+    Its one worker joins the trainer's group as rank 1 (torch's TCPStore and gloo, the group's name as the
+    store's prefix) and receives each announced tensor, in order, into a version: {name: tensor}."""
+
+    def __init__(self):
+        import datetime
+
+        import torch.distributed as dist
+
+        self.versions: list = []
+        self.routes: list = []
+        server = self
+
+        def join(info: dict) -> None:
+            timeout = datetime.timedelta(seconds=60)
+            store = dist.TCPStore(info["master_address"], info["master_port"], info["world_size"], is_master=False,
+                                  timeout=timeout)
+            name = info.get("group_name", "dist_trainer_publish")
+            server.group = dist.ProcessGroupGloo(dist.PrefixStore(f"{name}/", store), info["rank_offset"],
+                                                 info["world_size"], timeout)
+            server.store = store
+
+        def receive(names: list, dtypes: list, shapes: list) -> None:
+            import torch.distributed as dist
+
+            version = {}
+            for name, dtype, shape in zip(names, dtypes, shapes):
+                tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+                opts = dist.BroadcastOptions()
+                opts.rootRank = 0
+                server.group.broadcast([tensor], opts).wait()
+                version[name] = tensor
+            server.versions.append(version)
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.routes.append(self.path)
+                if self.path == "/init_weights_update_group":
+                    join(body)
+                elif self.path == "/init_weight_transfer_engine":
+                    join(body["init_info"])
+                elif self.path == "/update_weights_from_distributed":
+                    receive(body["names"], body["dtypes"], body["shapes"])
+                elif self.path == "/update_weights":
+                    info = body["update_info"]
+                    receive(info["names"], info["dtype_names"], info["shapes"])
+                data = json.dumps({"success": True}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args) -> None:  # quiet
+                pass
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        self.thread = threading.Thread(target=self.http.serve_forever, daemon=True)
+
+    def __enter__(self) -> "FakeGroupServer":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+
+    def logits(self, version: dict, like: Path) -> torch.Tensor:
+        """The logits of a model configured as ``like`` (a hf_model/ directory) holding ``version``'s tensors."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(like), dtype=torch.float32).eval()
+        missing, unexpected = model.load_state_dict(version, strict=False)
+        assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)  # a tied head
+        with torch.no_grad():
+            return model(INPUT_IDS).logits
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
     return write_jsonl(tmp_path_factory.mktemp("pairs") / "pairs.jsonl", preference_records(32, seed=3))
@@ -123,6 +214,34 @@ def test_a_server_that_refuses_stops_the_run_naming_the_url(tmp_path, pairs):
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
 
 
+VLLM_ROUTES = ["/init_weight_transfer_engine"] + ["/start_weight_update", "/update_weights",
+                                                  "/finish_weight_update"] * 2
+SGLANG_ROUTES = ["/init_weights_update_group"] + ["/update_weights_from_distributed"] * 2
+
+
+@pytest.mark.parametrize("mode, lora, routes", [("vllm", False, VLLM_ROUTES), ("broadcast", False, SGLANG_ROUTES),
+                                                ("broadcast", True, SGLANG_ROUTES)])
+def test_a_server_gets_each_version_over_the_group_and_the_last_is_the_final_model(tmp_path, pairs, mode, lora,
+                                                                                   routes):
+    """One process (vllm) or 2 fsdp ranks (broadcast; LoRA: the adapters merged as hf_model/ is): the group made
+    once, a version a step, no directory written; the last version's logits are the run's own hf_model/'s, bit
+    for bit (fp32)."""
+    from test_checkpoint import metrics, run
+
+    run_dir = tmp_path / "run"
+    extra = (["dist.strategy=fsdp"] if mode == "broadcast" else []) + (["model.lora.r=4"] if lora else [])
+    with FakeGroupServer() as server:
+        result = run(_cli(pairs, run_dir, 2, f"rl.publish.mode={mode}", f"rl.publish.url={server.url}",
+                          f"rl.publish.master_port={free_port()}", *extra), tmp_path,
+                     nproc=2 if mode == "broadcast" else 0)
+    assert result.returncode == 0, result.output[-4000:]
+    assert server.routes == routes
+    assert len(server.versions) == 2 and not (run_dir / "published").exists()
+    first, last = (server.logits(v, run_dir / "hf_model") for v in server.versions)
+    assert torch.equal(last, logits_of(run_dir / "hf_model")) and not torch.equal(first, last)
+    assert [r["step"] for r in metrics(run_dir) if "publish_s" in r] == [1, 2]
+
+
 # ------------------------------------------------------------------------------------------ refusals
 
 HF_CAUSAL = {"_target_": "dist_trainer.hf.models.hf_model", "task": "causal_lm"}
@@ -133,7 +252,11 @@ def _cfg(model: dict = HF_CAUSAL, **publish) -> Config:
 
 
 @pytest.mark.parametrize("publish, key", [
-    ({"mode": "vllm"}, "rl.publish.mode"),
+    ({"mode": "triton"}, "rl.publish.mode"),
+    ({"mode": "vllm"}, "rl.publish.url"),
+    ({"mode": "broadcast", "url": "http://127.0.0.1:30000"}, "rl.publish.master_port"),
+    ({"mode": "vllm", "url": "http://127.0.0.1:30000", "master_port": 29600, "world_size": 1},
+     "rl.publish.world_size"),
     ({"mode": "disk", "dtype": "fp8"}, "rl.publish.dtype"),
     ({"mode": "disk", "every": 0}, "rl.publish.every"),
     ({"mode": "disk", "keep": 0}, "rl.publish.keep"),

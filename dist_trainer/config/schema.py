@@ -385,7 +385,7 @@ class RolloutConfig:
     temperature: float = 1.0
 
 
-PUBLISH_MODES = ("none", "disk", "sglang")
+PUBLISH_MODES = ("none", "disk", "sglang", "vllm", "broadcast")
 PUBLISH_DTYPES = ("fp32", "bf16", "fp16")
 
 
@@ -394,12 +394,19 @@ class PublishConfig:
     """rl.publish: the policy's weights as Hugging Face directories for an inference server (rl/publish.py)."""
 
     # none; disk: a Hugging Face directory <dir>/step_<N:08d>/ after the steps it publishes at; sglang: that
-    # directory, then POST <url>/update_weights_from_disk so the server loads it
+    # directory, then POST <url>/update_weights_from_disk so the server loads it; vllm, broadcast: no directory,
+    # the tensors broadcast over a torch.distributed group to the server, announced through vLLM's
+    # weight-transfer routes or SGLang's update_weights_from_distributed (rl/transfer.py)
     mode: str = "none"
     every: int = 1  # optimizer steps between publications (>= 1); the last step always publishes
     dir: Optional[str] = None  # where the versions go; null: the run directory's published/
     keep: int = 2  # versions kept (>= 1): older ones are deleted once a new one is complete
-    url: Optional[str] = None  # mode=sglang: the server, e.g. http://127.0.0.1:30000 (required there only)
+    url: Optional[str] = None  # mode=sglang, vllm, broadcast: the server, e.g. http://127.0.0.1:30000 (required)
+    # mode=vllm, broadcast: where the trainer's rank 0 serves the group's store (the server's workers connect)
+    master_address: str = "127.0.0.1"
+    master_port: Optional[int] = None  # mode=vllm, broadcast: the store's port (required there)
+    world_size: int = 2  # mode=vllm, broadcast: the group's ranks, the trainer's rank 0 and the server's workers
+    group_name: str = "dist_trainer_publish"  # mode=vllm, broadcast: the group's name (its store prefix)
     dtype: str = "fp32"  # what the served tensors are cast to: fp32, bf16 or fp16 (LoRA is merged in FP32 first)
 
 

@@ -34,7 +34,7 @@ import copy
 import shutil
 import sys
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -113,11 +113,18 @@ class HFWeights:
 
 
 class HFModelWriter:
-    """``hf_model/`` written tensor by tensor under a temporary name (``add``), renamed when complete (``close``)."""
+    """``hf_model/`` written tensor by tensor under a temporary name (``add``), renamed when complete (``close``).
 
-    def __init__(self, module: torch.nn.Module, layout: Sequence[TensorInfo], out: Path,
-                 max_shard_mb: Optional[float] = None, dtype: torch.dtype = torch.float32):
-        self.weights, self.out = HFWeights(module, layout, dtype), out
+    ``sink``: instead of files, each tensor handed to ``sink(entries)``'s ``write(key, tensor)`` in the entries'
+    order (rl.publish's transfer to a server: the same names, shapes and dtypes, no directory)."""
+
+    def __init__(self, module: torch.nn.Module, layout: Sequence[TensorInfo], out: Optional[Path],
+                 max_shard_mb: Optional[float] = None, dtype: torch.dtype = torch.float32,
+                 sink: Optional[Callable[[List[Entry]], Any]] = None):
+        self.weights, self.out, self.tmp = HFWeights(module, layout, dtype), out, None
+        if sink is not None:
+            self.writer = sink(self.weights.entries())
+            return
         self.tmp = temporary_dir(out)
         self.weights.write_files(self.tmp)
         self.writer = SafetensorsWriter(self.tmp, self.weights.entries(),
@@ -129,11 +136,13 @@ class HFModelWriter:
 
     def close(self) -> None:
         self.writer.close()
-        replace_dir(self.tmp, self.out)
+        if self.tmp is not None:
+            replace_dir(self.tmp, self.out)
 
     def abandon(self) -> None:
         self.writer.abandon()
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 class LoraWriter:
@@ -148,8 +157,8 @@ class LoraWriter:
     """
 
     def __init__(self, module: torch.nn.Module, layout: Sequence[TensorInfo], adapters: Dict[str, torch.Tensor],
-                 out: Path, adapter_out: Optional[Path], max_shard_mb: Optional[float] = None,
-                 dtype: torch.dtype = torch.float32):
+                 out: Optional[Path], adapter_out: Optional[Path], max_shard_mb: Optional[float] = None,
+                 dtype: torch.dtype = torch.float32, sink: Optional[Callable[[List[Entry]], Any]] = None):
         from types import SimpleNamespace
 
         from ..models.pretrained import base_name
@@ -162,7 +171,7 @@ class LoraWriter:
                                chat_template=module.chat_template)
         if adapter_out is not None:
             _write(lambda tmp: _write_adapters(module, adapters, tmp), adapter_out)
-        self.merged = HFModelWriter(view, base, out, max_shard_mb, dtype)
+        self.merged = HFModelWriter(view, base, out, max_shard_mb, dtype, sink)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if name in self.adapters:

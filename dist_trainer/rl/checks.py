@@ -82,12 +82,22 @@ def check_publish(cfg: Config) -> None:
                 "must be an integer >= 1")
     require(pub.dir is None or (isinstance(pub.dir, str) and pub.dir.strip() != ""), "rl.publish.dir", pub.dir,
             "a local directory, or null (the run directory's published/)")
-    if pub.mode == "sglang":
+    if pub.mode in ("sglang", "vllm", "broadcast"):
         require(isinstance(pub.url, str) and pub.url.startswith(("http://", "https://")), "rl.publish.url", pub.url,
-                "rl.publish.mode=sglang needs the server's address, e.g. http://127.0.0.1:30000")
+                f"rl.publish.mode={pub.mode} needs the server's address, e.g. http://127.0.0.1:30000")
     else:
         require(pub.url is None, "rl.publish.url", pub.url,
-                f"is read by rl.publish.mode=sglang only (mode is {pub.mode}): set the mode or remove the url")
+                f"is read by rl.publish.mode=sglang, vllm and broadcast only (mode is {pub.mode}): set the mode or "
+                "remove the url")
+    if pub.mode in ("vllm", "broadcast"):
+        port = pub.master_port
+        require(isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536, "rl.publish.master_port",
+                port, f"rl.publish.mode={pub.mode} serves the group's store there: a free port, e.g. 29600")
+        require(isinstance(pub.world_size, int) and not isinstance(pub.world_size, bool) and pub.world_size >= 2,
+                "rl.publish.world_size", pub.world_size,
+                "the group's ranks: the trainer's rank 0 and at least one server worker (>= 2)")
+        require(isinstance(pub.master_address, str) and pub.master_address != "", "rl.publish.master_address",
+                pub.master_address, "the trainer's rank 0's address, as the server reaches it")
     if pub.mode != "none":
         require(cfg.model.get("_target_") in HF_MODELS and cfg.model.get("task", "causal_lm") == "causal_lm",
                 "model", cfg.model.get("_target_"),

@@ -12,6 +12,9 @@ safetensors files, the tokenizer; a LoRA model merged, in FP32, then cast to rl.
 4. mode=sglang: POST ``{"model_path": ..., "load_format": "auto"}`` to ``<url>/update_weights_from_disk``,
    SGLang's route, whose JSON reply must say ``"success": true``.
 
+mode=vllm and mode=broadcast write no directory: the same tensors (names, serving dtype, LoRA merged) go to the
+server over a torch.distributed group, announced through its HTTP routes (``rl/transfer.py``).
+
 Whatever fails on rank 0 (the disk, the server) is broadcast, and every rank raises the same error: no rank is
 left waiting in a collective. The seconds spent go into the step's record as ``publish_s``.
 """
@@ -72,6 +75,12 @@ class Publisher:
         self.cfg, self.strategy, self.module, self.env = cfg, strategy, module, env
         self.root = Path(cfg.dir).expanduser().absolute() if cfg.dir else run_dir.absolute() / "published"
         self.dtype = DTYPES[cfg.dtype]
+        self.channel = None  # vllm, broadcast: rank 0's side of the group to the server
+        if cfg.mode in ("vllm", "broadcast") and env.is_main:
+            from .transfer import Channel
+
+            self.channel = Channel(cfg.mode, cfg.url, cfg.master_address, cfg.master_port, cfg.world_size,
+                                   cfg.group_name, env.device)
 
     def due(self, step: int, last: bool) -> bool:
         return last or step % self.cfg.every == 0
@@ -92,6 +101,11 @@ class Publisher:
         name = version_name(step)
         tensors = self.strategy.full_tensors()  # a collective: every rank walks the model in full
         adapters = whole_adapters(tensors, self.module) if self.lora else None
+        if self.cfg.mode in ("vllm", "broadcast"):  # to the server's group, no directory
+            failure, _ = walk(tensors, lambda: [self._writer(tensors, None, adapters)], self.env.is_main,
+                              f"sending step {step}")
+            return (f"rl.publish.url={self.cfg.url}: the weights of step {step} did not reach the server "
+                    f"({failure})") if failure is not None else None
         failure, _ = walk(tensors, lambda: [self._writer(tensors, name, adapters)], self.env.is_main,
                           f"publishing {name}")
         if not self.env.is_main:
@@ -106,16 +120,20 @@ class Publisher:
             return f"rl.publish.dir={self.root}: the weights of step {step} could not be published ({failure})"
         return self._announce(self.root / name) if self.cfg.mode == "sglang" else None
 
-    def _writer(self, tensors: Any, name: str, adapters: Optional[dict]) -> Any:
-        """hf_model/'s writers (hf.export), into ``<dir>/<name>`` in the serving dtype; LoRA: the merged model."""
+    def _writer(self, tensors: Any, name: Optional[str], adapters: Optional[dict]) -> Any:
+        """hf_model/'s writers (hf.export), into ``<dir>/<name>`` in the serving dtype, or (``name`` None) to the
+        server's group; LoRA: the merged model."""
         from ..final import max_shard_mb
         from ..hf.export import HFModelWriter, LoraWriter
 
-        self.root.mkdir(parents=True, exist_ok=True)  # within walk's guard: a failure here is every rank's error
-        out = self.root / name
+        sink = self.channel.sink if name is None else None
+        out = None
+        if name is not None:
+            self.root.mkdir(parents=True, exist_ok=True)  # within walk's guard: a failure here is every rank's error
+            out = self.root / name
         if adapters is not None:
-            return LoraWriter(self.module, tensors.layout, adapters, out, None, max_shard_mb(), self.dtype)
-        return HFModelWriter(self.module, tensors.layout, out, max_shard_mb(), self.dtype)
+            return LoraWriter(self.module, tensors.layout, adapters, out, None, max_shard_mb(), self.dtype, sink)
+        return HFModelWriter(self.module, tensors.layout, out, max_shard_mb(), self.dtype, sink)
 
     def _point_latest(self, name: str) -> None:
         tmp = self.root / f".tmp-{LATEST}"
