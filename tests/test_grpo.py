@@ -139,6 +139,25 @@ def test_whole_grpo_steps_on_two_ranks_equal_one_process(runs, name):
         assert_all_close_scaled(got["params"], ref["params"], f"{name} rank {rank} weights after step {STEPS}")
 
 
+@pytest.mark.slow  # a 4-rank launch: about 10 s
+def test_whole_grpo_steps_under_hsdp_equal_one_process(prompts, tmp_path_factory):
+    """hsdp 2 x 2 on 4 ranks (each shard group samples in lockstep; the rollouts gathered over all 4): 4 prompts x
+    groups of 2, 4 ranks x micro-batches of 1 x 2 accumulation steps, against one process."""
+    from test_hsdp import _mesh
+
+    keys = {"prompts": 4, "group": 2, "agg": "grpo"}
+    one = in_one_process(_worker, [("hsdp", grpo_config(prompts, 8, **keys))])
+    cfg = _mesh(grpo_config(prompts, 1, strategy="fsdp", **keys), "hsdp")
+    four = launch_clean(_worker, 4, tmp_path_factory.mktemp("grpo4"), [("hsdp", cfg)])
+    ref = job_record(one, "hsdp")
+    for rank, results in enumerate(four):
+        got = job_record(results, "hsdp")
+        assert got["sampled"] == ref["sampled"], rank
+        for step in range(STEPS):
+            assert_all_close_scaled(got["grads"][step], ref["grads"][step], f"hsdp rank {rank} step {step + 1}")
+        assert_all_close_scaled(got["params"], ref["params"], f"hsdp rank {rank} weights")
+
+
 @pytest.mark.parametrize("name", SPLITS)
 def test_every_step_issues_what_plan_mode_predicts(runs, prompts, name):
     """The rollouts' gathers and all-reduce; under fsdp every sampling pass gathers every unit, and the frozen
