@@ -262,6 +262,7 @@ def test_refusals_name_the_key(prompts):
     refused("rl.inner_steps", **{"rl.inner_steps": 2})
     refused("rl.kl.estimator", **{"rl.kl.estimator": "k4"})
     refused("dist.tp.size", **{"dist.tp": TPConfig(size=2)})
+    refused("trainer.compile", **{"trainer.compile": True})
     cfg = grpo_config(prompts, 1)
     assert validate(cfg, 2).global_batch_size == PROMPTS * GROUP  # derived from the prompts and the group
 

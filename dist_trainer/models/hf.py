@@ -23,6 +23,7 @@ bias-free linear map of that output (soft-capped or scaled logits, a bias) is re
 
 from __future__ import annotations
 
+import functools
 import inspect
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Sequence
@@ -232,10 +233,14 @@ class HFModel(nn.Module):
     def decode_step(self, input_ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
         """One sampling step: the last position's logits (FP32) of ``input_ids`` after ``cache`` (None: a prompt's
         first pass), and the cache grown by them. Rows of one prompt, unpadded."""
-        # transformers names the cache ``cache`` from 5.x on, ``past_key_values`` before
-        name = "cache" if "cache" in inspect.signature(self._causal_lm.forward).parameters else "past_key_values"
+        name = self._cache_name
         out = self.model(input_ids=input_ids, use_cache=True, **{name: cache})
         return out.logits[:, -1].float(), getattr(out, name)
+
+    @functools.cached_property
+    def _cache_name(self) -> str:
+        """The forward's name for the KV cache: ``cache`` from transformers 5.x on, ``past_key_values`` before."""
+        return "cache" if "cache" in inspect.signature(self._causal_lm.forward).parameters else "past_key_values"
 
     def head_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> Dict[str, torch.Tensor]:
         """``loss_terms`` of the head's logits of ``hidden`` (the final norm's output), ``chunk_tokens`` rows at a

@@ -171,6 +171,9 @@ def check_grpo(cfg: Config, prompts: bool) -> None:
             rollout.max_new_tokens, "must be an integer >= 1")
     require(_number(rollout.temperature) and rollout.temperature > 0, "rl.rollout.temperature", rollout.temperature,
             "must be a number > 0 (sampling from the tempered distribution; greedy decoding has no ratio to train)")
+    require(not cfg.trainer.compile, "trainer.compile", cfg.trainer.compile,
+            "task=grpo samples token by token through the model: compiled blocks would compile again at every "
+            "length; set trainer.compile=false")
     require(not cfg.data.get("num_workers"), "data.num_workers", cfg.data.get("num_workers"),
             "data=hf_prompts hands the sampler prompt indices: it needs no worker (set 0)")
 
