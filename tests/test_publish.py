@@ -48,7 +48,13 @@ class FakeSGLang:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                if self.path != "/update_weights_from_disk" or body.get("load_format") != "auto":
+                if self.path == "/load_lora_adapter":  # the adapters alone: recorded as (name, their tensors)
+                    from safetensors.torch import load_file
+
+                    path = Path(body["lora_path"])
+                    server.announced.append((body["lora_name"], load_file(path / "adapter_model.safetensors")))
+                    reply, status = {"success": True}, 200
+                elif self.path != "/update_weights_from_disk" or body.get("load_format") != "auto":
                     reply, status = {"success": False, "message": f"unexpected {self.path} {body}"}, 400
                 elif not accept:
                     reply, status = {"success": False, "message": "refused by the test"}, 200
@@ -242,6 +248,28 @@ def test_a_server_gets_each_version_over_the_group_and_the_last_is_the_final_mod
     assert [r["step"] for r in metrics(run_dir) if "publish_s" in r] == [1, 2]
 
 
+def test_the_adapters_alone_reach_the_server_as_peft_writes_them(tmp_path, pairs):
+    """rl.publish.lora=adapter: each version is the adapters in peft's format, loaded with /load_lora_adapter;
+    the last equals the run's own hf_adapter/, bit for bit, and no base weight is written."""
+    from safetensors.torch import load_file
+
+    from test_checkpoint import run
+
+    run_dir = tmp_path / "run"
+    with FakeSGLang() as server:
+        result = run(_cli(pairs, run_dir, 2, "model.lora.r=4", "rl.publish.mode=sglang", "rl.publish.lora=adapter",
+                          f"rl.publish.url={server.url}"), tmp_path)
+    assert result.returncode == 0, result.output[-4000:]
+    assert [name for name, _ in server.announced] == ["step_00000001", "step_00000002"]
+    final = load_file(run_dir / "hf_adapter" / "adapter_model.safetensors")
+    last = server.announced[-1][1]
+    assert last.keys() == final.keys() and all(torch.equal(last[k], final[k]) for k in final)
+    assert not all(torch.equal(server.announced[0][1][k], final[k]) for k in final)  # the adapters moved
+    files = {p.name for p in (run_dir / "published" / "step_00000002").iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= files
+    assert not any(name.startswith("model") or name == "config.json" for name in files), files  # no base
+
+
 # ------------------------------------------------------------------------------------------ refusals
 
 HF_CAUSAL = {"_target_": "dist_trainer.hf.models.hf_model", "task": "causal_lm"}
@@ -253,6 +281,9 @@ def _cfg(model: dict = HF_CAUSAL, **publish) -> Config:
 
 @pytest.mark.parametrize("publish, key", [
     ({"mode": "triton"}, "rl.publish.mode"),
+    ({"mode": "disk", "lora": "both"}, "rl.publish.lora"),
+    ({"mode": "disk", "lora": "adapter"}, "rl.publish.lora"),  # the model has no adapters
+    ({"mode": "vllm", "url": "http://127.0.0.1:30000", "master_port": 29600, "lora": "adapter"}, "rl.publish.lora"),
     ({"mode": "vllm"}, "rl.publish.url"),
     ({"mode": "broadcast", "url": "http://127.0.0.1:30000"}, "rl.publish.master_port"),
     ({"mode": "vllm", "url": "http://127.0.0.1:30000", "master_port": 29600, "world_size": 1},

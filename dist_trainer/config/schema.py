@@ -387,6 +387,7 @@ class RolloutConfig:
 
 PUBLISH_MODES = ("none", "disk", "sglang", "vllm", "broadcast")
 PUBLISH_DTYPES = ("fp32", "bf16", "fp16")
+PUBLISH_LORA = ("merged", "adapter")
 
 
 @dataclass
@@ -408,6 +409,9 @@ class PublishConfig:
     world_size: int = 2  # mode=vllm, broadcast: the group's ranks, the trainer's rank 0 and the server's workers
     group_name: str = "dist_trainer_publish"  # mode=vllm, broadcast: the group's name (its store prefix)
     dtype: str = "fp32"  # what the served tensors are cast to: fp32, bf16 or fp16 (LoRA is merged in FP32 first)
+    # A LoRA model: merged (the base with its adapters merged, a whole model) or adapter (the adapters alone, in
+    # peft's format: mode=disk, or mode=sglang, which loads them with /load_lora_adapter)
+    lora: str = "merged"
 
 
 @dataclass

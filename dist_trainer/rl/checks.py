@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..config import (ADVANTAGE_ESTIMATORS, ADVANTAGE_SCALES, DPO_LOSSES, KL_ESTIMATORS, LOSS_AGG_ALIASES, LOSS_AGGS,
                       REFERENCES, TASKS, Config, MeshShape, require)
-from ..config.schema import PUBLISH_DTYPES, PUBLISH_MODES
+from ..config.schema import PUBLISH_DTYPES, PUBLISH_LORA, PUBLISH_MODES
 
 HF_MODELS = ("dist_trainer.models.hf.hf_model", "dist_trainer.hf.models.hf_model")
 PREFERENCE_DATA = ("dist_trainer.data.hf_preference.hf_preference", "dist_trainer.data.hf_preference")
@@ -98,6 +98,13 @@ def check_publish(cfg: Config) -> None:
                 "the group's ranks: the trainer's rank 0 and at least one server worker (>= 2)")
         require(isinstance(pub.master_address, str) and pub.master_address != "", "rl.publish.master_address",
                 pub.master_address, "the trainer's rank 0's address, as the server reaches it")
+    require(pub.lora in PUBLISH_LORA, "rl.publish.lora", pub.lora, f"choose one of {', '.join(PUBLISH_LORA)}")
+    if pub.lora == "adapter":
+        require(pub.mode in ("none", "disk", "sglang"), "rl.publish.lora", pub.lora,
+                f"the adapters alone are written to disk (mode=disk, sglang); mode={pub.mode} sends a whole model: "
+                "use rl.publish.lora=merged")
+        require(pub.mode == "none" or lora_rank(cfg) > 0, "rl.publish.lora", pub.lora,
+                "adapter publishes a LoRA model's adapters: set model.lora.r, or rl.publish.lora=merged")
     if pub.mode != "none":
         require(cfg.model.get("_target_") in HF_MODELS and cfg.model.get("task", "causal_lm") == "causal_lm",
                 "model", cfg.model.get("_target_"),

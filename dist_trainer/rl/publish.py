@@ -12,6 +12,9 @@ safetensors files, the tokenizer; a LoRA model merged, in FP32, then cast to rl.
 4. mode=sglang: POST ``{"model_path": ..., "load_format": "auto"}`` to ``<url>/update_weights_from_disk``,
    SGLang's route, whose JSON reply must say ``"success": true``.
 
+rl.publish.lora=adapter (a LoRA model): ``step_<N>/`` holds the adapters alone in peft's format (gathered whole, the
+base untouched), and mode=sglang POSTs ``{"lora_name": "step_<N>", "lora_path": ...}`` to ``/load_lora_adapter``.
+
 mode=vllm and mode=broadcast write no directory: the same tensors (names, serving dtype, LoRA merged) go to the
 server over a torch.distributed group, announced through its HTTP routes (``rl/transfer.py``).
 
@@ -101,6 +104,9 @@ class Publisher:
         name = version_name(step)
         tensors = self.strategy.full_tensors()  # a collective: every rank walks the model in full
         adapters = whole_adapters(tensors, self.module) if self.lora else None
+        if self.cfg.lora == "adapter":  # the adapters alone: the base is neither walked nor written
+            failure = self._write_adapters(name, adapters) if self.env.is_main else None
+            return self._after_write(step, name, failure, "/load_lora_adapter")
         if self.cfg.mode in ("vllm", "broadcast"):  # to the server's group, no directory
             failure, _ = walk(tensors, lambda: [self._writer(tensors, None, adapters)], self.env.is_main,
                               f"sending step {step}")
@@ -108,6 +114,11 @@ class Publisher:
                     f"({failure})") if failure is not None else None
         failure, _ = walk(tensors, lambda: [self._writer(tensors, name, adapters)], self.env.is_main,
                           f"publishing {name}")
+        return self._after_write(step, name, failure, ROUTE)
+
+    def _after_write(self, step: int, name: str, failure: Optional[str], route: str) -> Optional[str]:
+        """Rank 0, the version written (or ``failure``): ``latest`` pointed at it, old versions pruned, the server
+        told (mode=sglang, through ``route``)."""
         if not self.env.is_main:
             return None
         try:
@@ -118,7 +129,19 @@ class Publisher:
             failure = f"{type(err).__name__}: {err}"
         if failure is not None:
             return f"rl.publish.dir={self.root}: the weights of step {step} could not be published ({failure})"
-        return self._announce(self.root / name) if self.cfg.mode == "sglang" else None
+        return self._announce(self.root / name, route) if self.cfg.mode == "sglang" else None
+
+    def _write_adapters(self, name: str, adapters: dict) -> Optional[str]:
+        """The adapters alone into ``<dir>/<name>`` (peft's format, the serving dtype), atomically."""
+        from ..hf.export import _write, _write_adapters
+
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            cast = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in adapters.items()}
+            _write(lambda tmp: _write_adapters(self.module, cast, tmp), self.root / name)
+        except Exception as err:  # the disk's or peft's: every rank's error, below
+            return f"{type(err).__name__}: {err}"
+        return None
 
     def _writer(self, tensors: Any, name: Optional[str], adapters: Optional[dict]) -> Any:
         """hf_model/'s writers (hf.export), into ``<dir>/<name>`` in the serving dtype, or (``name`` None) to the
@@ -151,10 +174,12 @@ class Publisher:
         for path in self.root.glob(".tmp-step_*"):
             shutil.rmtree(path, ignore_errors=True)
 
-    def _announce(self, path: Path) -> Optional[str]:
-        """SGLang's update_weights_from_disk: None once the server says it loaded ``path``, else what went wrong."""
-        url = self.cfg.url.rstrip("/") + ROUTE
-        body = json.dumps({"model_path": str(path), "load_format": "auto"}).encode()
+    def _announce(self, path: Path, route: str = ROUTE) -> Optional[str]:
+        """SGLang's update_weights_from_disk (or load_lora_adapter): None once the server says it loaded ``path``,
+        else what went wrong."""
+        url = self.cfg.url.rstrip("/") + route
+        body = json.dumps({"model_path": str(path), "load_format": "auto"} if route == ROUTE
+                          else {"lora_name": path.name, "lora_path": str(path)}).encode()
         request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(request, timeout=ANNOUNCE_TIMEOUT_S) as response:
@@ -168,7 +193,7 @@ class Publisher:
                 return None
         except (ValueError, AttributeError):
             pass
-        return (f"rl.publish.url={self.cfg.url}: POST {ROUTE} with model_path={path} was not accepted "
+        return (f"rl.publish.url={self.cfg.url}: POST {route} with {path} was not accepted "
                 f"(reply: {reply[:500]}); the version is on disk, but the server does not serve it")
 
 
