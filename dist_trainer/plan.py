@@ -226,6 +226,7 @@ def plan_numbers(cfg: Config, plan: BatchPlan, model: Optional[nn.Module] = None
         **(_with_first_steps(pp_plan.pp_numbers(cfg, plan, parts, groups)) if pipeline else {}),
         "step": step, "first_step": None if step is None else first_step_comm(step),
         "resumed_step": None if step is None else resumed_step_comm(step),
+        **rl_plan.rl_numbers(cfg, plan, model, parts[0], step),
     }
     numbers["host_baseline_mb"] = host_baseline_mb
     numbers["run_host_peak_mb"] = run_host_peak_mb(cfg, plan, numbers, host_baseline_mb)

@@ -417,6 +417,7 @@ class Trainer:
             "consecutive_skips": self.consecutive_skips,
             "skipped_total": self.skipped_total,
             "loss_divisor": self.loss_divisor,
+            "objective": self.objective.state_dict(),  # task=grpo's rollouts across rl.inner_steps
         }
 
     def load_checkpoint_state(self, state: dict, shards: Optional[Path]) -> None:
@@ -430,6 +431,7 @@ class Trainer:
         self.consecutive_skips = state["consecutive_skips"]
         self.skipped_total = state["skipped_total"]
         self.loss_divisor = state["loss_divisor"]
+        self.objective.load_state_dict(state.get("objective") or {})  # absent from checkpoints before it
 
     def nonfinite_names(self, limit: int = 5) -> List[str]:
         """Names of the first parameters whose gradient holds inf or NaN (costs a sync each)."""

@@ -239,7 +239,7 @@ def _builds(rank: int, world: int, cfgs: list, calls: list) -> list:
         parts = build(cfg, validate(cfg, world), env)
         data, held_out, made = parts.train_set, parts.eval_set, len(calls)
         rec = {"calls": made, "values": data.ref_logps, "files": sorted(Path(data.directory).glob("ref_logps.*")),
-               "batch": data.collate([data[i] for i in range(3)])["ref_logps"]}
+               "batch": data.collate([data[i] for i in range(3)])["ref_logps"].tensor}
         if held_out is not None:
             loader = eval_loader(held_out, 1, len(held_out), 0, 1, 0)  # a pair alone a batch, as measured
             rec["eval"] = (len(held_out), held_out.ref_logps,

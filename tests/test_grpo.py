@@ -25,6 +25,7 @@ import torch
 from dist_trainer.config import ConfigError, RLConfig, TPConfig
 from dist_trainer.data import epoch_batches
 from dist_trainer.data.builtin import IGNORE_INDEX
+from dist_trainer.data.exact import Exact
 from dist_trainer.data.loader import StepPlan
 from dist_trainer.rl.grpo import advantages, kl_terms
 from dist_trainer.rl.rewards import exact_answer
@@ -61,13 +62,14 @@ def prompt_data(files: list, group: int = GROUP) -> dict:
 
 def grpo_config(files: list, micro: int, strategy: str = "ddp", agg: str = "token-mean", kl: float = 0.1,
                 estimator: str = "k3", entropy: float = 0.0, lora: bool = False, reference: str = "auto",
-                scale: str = "group", advantage: str = "grpo", prompts: int = PROMPTS, group: int = GROUP):
+                scale: str = "group", advantage: str = "grpo", prompts: int = PROMPTS, group: int = GROUP,
+                inner: int = 1):
     model = {**chat_model(), **({"lora": dict(LORA)} if lora else {})}
     cfg = config(model, prompt_data(files, group), micro, strategy, steps=STEPS)
     cfg.optim = dataclasses.replace(cfg.optim, lr=0.2)
     cfg.batch.global_batch_size = None
     cfg.task = "grpo"
-    cfg.rl = RLConfig(reference=reference, prompts_per_step=prompts, group_size=group,
+    cfg.rl = RLConfig(reference=reference, prompts_per_step=prompts, group_size=group, inner_steps=inner,
                       reward={"_target_": "test_grpo.text_reward"}, entropy_coef=entropy)
     cfg.rl.loss.agg, cfg.rl.kl.coef, cfg.rl.kl.estimator = agg, kl, estimator
     cfg.rl.advantage.scale, cfg.rl.advantage.estimator = scale, advantage
@@ -104,8 +106,9 @@ JOBS = {"token-mean": {"agg": "token-mean", "entropy": 0.01},
         "seq-mean-token-sum-norm": {"agg": "dr_grpo", "scale": "none", "advantage": "mean"},
         "lora": {"lora": True, "reference": "adapter", "agg": "seq-mean-token-sum", "estimator": "k2",
                  "scale": "batch"},
-        # 3 groups of 2 over 2 ranks: under fsdp the rank with one group samples one more, to keep lockstep
-        "three-groups": {"prompts": 3, "group": 2, "entropy": 0.01}}
+        # 3 groups of 2 over 2 ranks: under fsdp the rank with one group samples one more, to keep lockstep;
+        # each rollout trained by 2 optimizer steps (step 2 trains step 1's, against their old log-probabilities)
+        "three-groups": {"prompts": 3, "group": 2, "entropy": 0.01, "inner": 2}}
 SPLITS = ["token-mean/ddp", "seq-mean-token-mean/ddp", "seq-mean-token-sum-norm/ddp", "lora/ddp",
           "three-groups/fsdp"]
 
@@ -167,14 +170,33 @@ def test_every_step_issues_what_plan_mode_predicts(runs, prompts, name):
 
     kind, strategy = name.split("/")
     cfg = grpo_config(prompts, 1, strategy=strategy, **JOBS[kind])
-    step = plan_numbers(cfg, validate(cfg, 2))["step"]
-    assert step["rl_object_gathers"] == 2 and step["rl_allreduces"] == 1
+    numbers = plan_numbers(cfg, validate(cfg, 2))
+    inner = JOBS[kind].get("inner", 1)
+    step = numbers["step"]
+    assert step["rl_object_gathers"] == (2 if inner == 1 else 3) and step["rl_allreduces"] == 1
     for rank, results in enumerate(runs[1]):
         for number, comm in enumerate(job_record(results, name)["comm"][1:], 2):
-            assert {k: comm.get(k, 0) for k in step} == step, (name, rank, number)
+            want = step if (number - 1) % inner == 0 else numbers["inner_step"]  # a step that samples, or not
+            assert {k: comm.get(k, 0) for k in want} == want, (name, rank, number)
+    if inner > 1:
+        assert numbers["inner_step"]["rl_object_gathers"] == 0
+        assert numbers["inner_step"]["all_gathers"] < step["all_gathers"]
     if strategy == "fsdp":
         groups = 2 if kind == "three-groups" else 1
         assert f"every rank runs {groups} group(s) x 8 passes a step" in plan_report(cfg, 2)
+
+
+def test_inner_steps_train_one_rollout_against_its_old_log_probabilities(runs):
+    """rl.inner_steps=2: step 2 trains step 1's completions again (no sampling), its ratio now off 1 (the weights
+    moved since they were sampled) and the same on 2 ranks as in one process; step 3 samples anew."""
+    for results in [runs[0]] + runs[1]:
+        rec = job_record(results, "three-groups" if "three-groups" in results else "three-groups/fsdp")
+        first, second, third = rec["sampled"]
+        assert second == first and third != first
+        out = rec["outcomes"]
+        assert out[0]["ratio_min"] == out[0]["ratio_max"] == 1.0 and out[2]["ratio_min"] == out[2]["ratio_max"] == 1.0
+        assert out[1]["ratio_min"] < 1.0 < out[1]["ratio_max"] and out[1]["gen_s"] == 0.0
+        assert out[1]["reward_mean"] == out[0]["reward_mean"]
 
 
 @pytest.mark.parametrize("name", list(JOBS))
@@ -182,8 +204,10 @@ def test_ratio_is_one_and_the_first_kl_zero_and_the_rewards_vary(runs, name):
     """One update per rollout: the ratio is exactly 1 and nothing clipped at every step. The reference is the
     policy as built (a copy, or the adapters disabled): the KL is exactly 0 at the first step, and not after."""
     outcomes = job_record(runs[0], name)["outcomes"]
-    for out in outcomes:
-        assert out["ratio_min"] == out["ratio_max"] == 1.0 and out["clip_frac"] == 0.0, out
+    inner = JOBS[name].get("inner", 1)
+    for step, out in enumerate(outcomes):
+        if step % inner == 0:  # a step that samples its own rollouts
+            assert out["ratio_min"] == out["ratio_max"] == 1.0 and out["clip_frac"] == 0.0, out
         assert out["reward_std"] > 0 and out["frac_zero_std_groups"] < 1 and 0 < out["completion_len_mean"] <= 8
         assert out["items"] == (round(out["completion_len_mean"] * 6) if JOBS[name].get("agg", "token-mean")
                                 in ("token-mean", "dapo") else 6)  # tokens, or sequences
@@ -259,7 +283,7 @@ def test_refusals_name_the_key(prompts):
     refused("rl.reference", **{"rl.reference": "precomputed"})
     refused("rl.reference", keys={"reference": "adapter"})  # no adapters
     refused("rl.rollout.temperature", **{"rl.rollout.temperature": 0.0})
-    refused("rl.inner_steps", **{"rl.inner_steps": 2})
+    refused("rl.inner_steps", **{"rl.inner_steps": 0})
     refused("rl.kl.estimator", **{"rl.kl.estimator": "k4"})
     refused("dist.tp.size", **{"dist.tp": TPConfig(size=2)})
     refused("trainer.compile", **{"trainer.compile": True})
@@ -304,7 +328,8 @@ def fixed_batch(prompts):
             return out["loss_sum"] / out["num_items"]
 
         def per_micro_batch(batch):  # each micro-batch's own token mean, averaged over the 3 micro-batches
-            return sum(mean({k: v[i::3] for k, v in batch.items()}) for i in range(3)) / 3
+            return sum(mean({k: Exact(v.tensor[i::3]) if isinstance(v, Exact) else v[i::3] for k, v in batch.items()})
+                       for i in range(3)) / 3
 
         def per_rank_advantages(batch):  # each rank's rows (j % 2) scaled by that rank's own rewards' deviation
             own = torch.tensor([rewards[prompts_.index(p), s] for p, s in slots], dtype=torch.float64)
@@ -312,7 +337,7 @@ def fixed_batch(prompts):
             scaled = centred * (rewards.std() + 1e-4)  # back to reward - its group's mean
             for k in range(2):
                 scaled[k::2] /= own[k::2].std() + 1e-4
-            return mean({**batch, "advantages": scaled})
+            return mean({**batch, "advantages": Exact(scaled)})
 
         def pad_masks(batch):  # the pad id taken for the end of turn (as where pad = eos): masks made by value
             labels = batch["labels"].masked_fill(batch["input_ids"] == stop, IGNORE_INDEX)
@@ -359,22 +384,51 @@ def _cli(prompts_file: str, run_dir: Path, steps: int, *extra: str) -> list:
 
 @pytest.mark.slow  # three 2-rank torchrun jobs: about 15 s
 def test_a_grpo_run_resumes_bit_identically(tmp_path, prompts):
-    """Under fsdp: stopped after step 2 and resumed, the run samples the same completions (keyed by the step)
-    against a frozen copy built again, and ends bit for bit where the straight run ends; metrics.jsonl holds
-    the rollouts' figures."""
+    """Under fsdp with rl.inner_steps=2: stopped after step 3 (which sampled) and resumed at step 4 (which trains
+    step 3's rollouts again, read from the checkpoint with their old log-probabilities), against a frozen copy
+    built again, the run ends bit for bit where the straight run ends; metrics.jsonl holds the rollouts' figures."""
     from test_checkpoint import metrics, run
 
     whole, split = tmp_path / "whole", tmp_path / "split"
-    ref = run(_cli(prompts[0], whole, 4, "dist.strategy=fsdp"), tmp_path, nproc=2)
+    args = ("dist.strategy=fsdp", "rl.inner_steps=2")
+    ref = run(_cli(prompts[0], whole, 4, *args), tmp_path, nproc=2)
     assert ref.returncode == 0, ref.output[-4000:]
-    first = run(_cli(prompts[0], split, 2, "dist.strategy=fsdp"), tmp_path, nproc=2)
+    first = run(_cli(prompts[0], split, 3, *args), tmp_path, nproc=2)
     assert first.returncode == 0, first.output[-4000:]
-    second = run(_cli(prompts[0], split, 4, "dist.strategy=fsdp"), tmp_path, nproc=2)
+    second = run(_cli(prompts[0], split, 4, *args), tmp_path, nproc=2)
     assert second.returncode == 0, second.output[-4000:]
-    assert "resuming from" in second.output and "(step 2)" in second.output
+    assert "resuming from" in second.output and "(step 3)" in second.output
     got, want = (torch.load(d / "final_model.pt", weights_only=True) for d in (split, whole))
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     records = metrics(whole)
     keys = ("loss", "reward_mean", "kl", "entropy", "completion_len_mean")
     assert [[r[k] for k in keys] for r in metrics(split)] == [[r[k] for k in keys] for r in records]
     assert records[0]["kl"] == 0.0 and records[-1]["kl"] != 0.0 and records[-1]["reward_std"] > 0
+    assert records[3]["gen_s"] == 0.0 and records[3]["ratio_max"] != 1.0  # step 4: step 3's rollouts again
+
+
+def test_side_tensors_keep_their_dtype_through_an_fsdp_roots_input_cast():
+    """FSDP2 casts a root's floating inputs to its parameters' dtype (bf16 in the master modes); the advantages
+    and log-probabilities a batch carries in an Exact reach the loss as they were made (float64 here)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    seen = {}
+
+    class Probe(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(2, 2)
+
+        def forward(self, batch):
+            seen.update(x=batch["x"].dtype, exact=batch["advantages"].tensor.dtype)
+            return self.linear(batch["x"])
+
+    def run(rank, world):
+        model = fully_shard(Probe(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        value = torch.tensor([0.1234567890123], dtype=torch.float64)
+        model({"x": torch.randn(1, 2), "advantages": Exact(value)})
+        return seen
+
+    got = in_one_process(run)
+    assert got == {"x": torch.bfloat16, "exact": torch.float64}

@@ -438,7 +438,8 @@ class RLConfig:
     clip: ClipConfig = field(default_factory=ClipConfig)
     kl: KLConfig = field(default_factory=KLConfig)
     entropy_coef: float = 0.0  # a bonus on the completions' token entropy (subtracted from the loss)
-    # Optimizer steps on each step's rollouts: 1, so the old log-probabilities are the current ones (ratio 1)
+    # Optimizer steps on each step's rollouts: 1 (the old log-probabilities are the current ones: ratio 1), or
+    # k > 1 (the rollouts trained k times against their log-probabilities when sampled; kept in checkpoints)
     inner_steps: int = 1
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     publish: PublishConfig = field(default_factory=PublishConfig)  # Published during training, whatever the task

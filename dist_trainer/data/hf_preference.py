@@ -31,7 +31,7 @@ chosen first, then the B rejected in the same order, right-padded to the
 longest row, with an attention mask and no loss on the padding. With the
 reference's log-probabilities attached (``Pairs.with_reference``,
 rl.reference=precomputed), a sample also holds ``ref_logps`` [2] and a batch
-``ref_logps`` [2B], in its rows' order.
+``ref_logps`` [2B] (float64, in an ``Exact``), in its rows' order.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from torch.utils.data import Dataset
 from .. import distributed
 from ..config import ConfigError
 from .builtin import IGNORE_INDEX
+from .exact import Exact
 from .hf_chat import (FORMATS, ChatTemplate, Conversations, Streams, _checked, _records, check_lengths, join,
                       write_in_batches)
 from .hf_text import OUTCOMES, Sources, agreed, build_cache, cache_root, check_common, files_key, resolve_files
@@ -274,7 +275,8 @@ class Pairs(Dataset):
         rows = [{"input_ids": s[f"{side}_ids"], "labels": s[f"{side}_labels"]} for side in SIDES for s in samples]
         batch = self.sides["chosen"].collate(rows)
         if "ref_logps" in samples[0]:
-            batch["ref_logps"] = torch.stack([s["ref_logps"] for s in samples], dim=1).reshape(-1)  # [2, B]: rows
+            # [2, B]: rows; float64 kept as it is through an fsdp root's input cast (data/exact.py)
+            batch["ref_logps"] = Exact(torch.stack([s["ref_logps"] for s in samples], dim=1).reshape(-1))
         return batch
 
 

@@ -61,7 +61,7 @@ class StepPlan:
     """Which samples each rank uses in each micro-batch of each optimizer step."""
 
     def __init__(self, num_samples: int, plan: BatchPlan, rank: int, seed: int, shuffle: bool, drop_last: bool,
-                 group: int = 1):
+                 group: int = 1, repeat: int = 1):
         if num_samples < 1:
             raise ConfigError("data._target_ returned an empty dataset: it has no sample to train on")
         if drop_last and num_samples < plan.global_batch_size:
@@ -79,17 +79,21 @@ class StepPlan:
             raise ValueError(f"{num_samples} samples and a global batch of {plan.global_batch_size} are not whole "
                              f"groups of {group}")
         self.group = group
+        # Optimizer steps per global batch (task=grpo's rl.inner_steps: each step's rollouts are trained by that
+        # many updates): the order's step s is its batch s // repeat, so an epoch is that many times as long.
+        self.repeat = repeat
 
     @classmethod
     def for_config(cls, num_samples: int, cfg: Config, plan: BatchPlan, rank: int) -> "StepPlan":
         """The plan the configuration asks for (data.shuffle defaults to true, data.drop_last to false)."""
+        grpo = cfg.task == "grpo"
         return cls(num_samples, plan, rank, cfg.trainer.seed, cfg.data.get("shuffle", True),
-                   cfg.data.get("drop_last", False), cfg.rl.group_size if cfg.task == "grpo" else 1)
+                   cfg.data.get("drop_last", False), cfg.rl.group_size if grpo else 1, cfg.rl.inner_steps if grpo else 1)
 
     @property
     def steps_per_epoch(self) -> int:
         full, rest = divmod(self.num_samples, self.plan.global_batch_size)
-        return full + (1 if rest and not self.drop_last else 0)
+        return (full + (1 if rest and not self.drop_last else 0)) * self.repeat
 
     def sample_order(self, epoch: int) -> "SampleOrder":
         """Position in the epoch -> sample index: a seeded bijection, computed on the fly (O(1) to start)."""
@@ -103,7 +107,7 @@ class StepPlan:
     def micro_batches(self, step: int) -> int:
         """Micro-batches every rank runs in step ``step`` of an epoch: rank 0's count (it gets the most)."""
         glob, world, micro = self.plan.global_batch_size, self.plan.data_ranks, self.plan.micro_batch_size
-        size = min(glob, self.num_samples - step * glob)
+        size = min(glob, self.num_samples - step // self.repeat * glob)
         return max(1, math.ceil(math.ceil(size / world) / micro))
 
     def windows(self, epoch: int, start_step: int = 0) -> Iterator[Window]:
@@ -111,7 +115,7 @@ class StepPlan:
         order = self.sample_order(epoch)
         glob, world, micro = self.plan.global_batch_size, self.plan.data_ranks, self.plan.micro_batch_size
         for step in range(start_step, self.steps_per_epoch):
-            begin = step * glob
+            begin = step // self.repeat * glob
             size = min(glob, self.num_samples - begin)
             # Positions rank, rank + world, ... of the step: sample j of a step goes to rank j % world.
             mine = order(np.arange(begin + self.rank, begin + size, world)).tolist()

@@ -166,9 +166,8 @@ def check_grpo(cfg: Config, prompts: bool) -> None:
             f"choose one of {', '.join(KL_ESTIMATORS)}")
     require(_number(rl.entropy_coef) and rl.entropy_coef >= 0, "rl.entropy_coef", rl.entropy_coef,
             "must be a number >= 0")
-    require(rl.inner_steps == 1, "rl.inner_steps", rl.inner_steps,
-            "only 1 is offered: each step's rollouts are trained by one optimizer step, so the old log-probabilities "
-            "are the current ones (ratio 1)")
+    require(_count(rl.inner_steps) and rl.inner_steps >= 1, "rl.inner_steps", rl.inner_steps,
+            "must be an integer >= 1: the optimizer steps each step's rollouts are trained by")
     require(rl.reference in REFERENCES and rl.reference != "precomputed", "rl.reference", rl.reference,
             "task=grpo's completions are new each step: choose auto, copy, adapter or none")
     require(reference_kind(cfg) != "adapter" or lora_rank(cfg) > 0, "rl.reference", rl.reference,

@@ -71,6 +71,13 @@ class NoObjective:
         """Collectives the objective issued itself (a sharded reference copy's gathers), by metrics key."""
         return {}
 
+    def state_dict(self) -> Dict[str, Any]:
+        """What a checkpoint must hold for the next step (task=grpo's rollouts under rl.inner_steps > 1)."""
+        return {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        pass
+
 
 class DPO(NoObjective):
     """The loss of a micro-batch of pairs (``HFModel.forward`` calls it with itself and the batch)."""
@@ -181,7 +188,8 @@ def no_reference(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple:
 
 def precomputed_reference(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple:
     """rl.reference=precomputed: the batch's ``ref_logps`` (FP32 values, kept in float64), in its rows' order."""
-    return batch["ref_logps"].float(), (batch["labels"][:, 1:] != IGNORE_INDEX).sum(dim=1)
+    labels = batch["labels"]
+    return batch["ref_logps"].to(labels.device).float(), (labels[:, 1:] != IGNORE_INDEX).sum(dim=1)
 
 
 class CopyReference:

@@ -40,6 +40,7 @@ from torch import nn
 
 from ..config import LOSS_AGG_ALIASES, Config
 from ..data.builtin import IGNORE_INDEX
+from ..data.exact import Exact
 from .dpo import NoObjective, evaluation
 from .rollout import Sampled, Sampler, gather_objects, roll_out
 
@@ -94,6 +95,13 @@ class GRPO(NoObjective):
         self.reference = reference if self.kl_coef else None  # no KL term: no reference pass
         self.reference_passes = int(self.reference is not None and getattr(reference, "is_policy", False))
         self.sampler, self.prompts, self.reward = sampler, prompts, reward
+        # rl.inner_steps: optimizer steps on each step's rollouts. The rollouts, and (past the first) each
+        # completion's log-probabilities at the step that sampled it, are kept until the next are sampled, and
+        # saved in checkpoints (``state_dict``): a resume between two inner steps goes on with them.
+        self.inner_steps = int(rl.inner_steps)
+        self.rollout: Dict[str, Any] = {}  # {"step", "sampled", "old"}: the rollouts the current steps train on
+        self._old_here: Dict[tuple, List[float]] = {}  # this rank's completions' log-probabilities at sampling
+        self._recording = False
         self.counting = True
         self.step_figures: Dict[str, float] = {}
         self._sums = torch.zeros(len(TOKEN_FIGURES) + 1, dtype=torch.float64)
@@ -113,8 +121,11 @@ class GRPO(NoObjective):
                 ref = self.reference(model, batch)
         logp, entropy = model.token_logps(batch, self.temperature, entropy=True, entropy_grad=self.entropy_coef > 0)
         mask = (batch["labels"][:, 1:] != IGNORE_INDEX).to(logp.dtype)
-        adv = batch["advantages"].to(logp.dtype).unsqueeze(1)
-        ratio = torch.exp(logp - logp.detach())  # one update per rollout: the old log-probabilities are these
+        adv = batch["advantages"].to(logp.device).to(logp.dtype).unsqueeze(1)
+        old = batch.get("old_logps")  # past a rollout's first step: its log-probabilities when it was sampled
+        ratio = torch.exp(logp - (logp.detach() if old is None else old.to(logp.device)))
+        if self._recording and self.counting:  # the rollout's first step: these are the old ones of the next
+            self._record_old(batch, logp.detach(), mask)
         clipped = ratio.clamp(1 - self.low, 1 + self.high)
         terms = -torch.minimum(ratio * adv, clipped * adv)
         kl = kl_terms(logp, ref, self.kl_estimator) if ref is not None else None
@@ -155,14 +166,24 @@ class GRPO(NoObjective):
         into rows: the prompt and its completion, the completion's tokens labelled, each row's advantage."""
         self._sums = torch.zeros(len(TOKEN_FIGURES) + 1, dtype=torch.float64)
         self._ratio = [-math.inf, -math.inf]
-        mine = sorted({int(p) for batch, count in zip(batches, counted) if count
-                       for p in batch["prompt_index"].tolist()})
-        step_prompts = sorted(set().union(*map(set, gather_objects(mine))))  # canonical: by prompt index
-        rank = dist.get_rank() if dist.is_initialized() else 0
+        inner = (step - 1) % self.inner_steps  # the loader hands the same prompts to each of a rollout's steps
+        self._recording = inner == 0 and self.inner_steps > 1
         world = dist.get_world_size() if dist.is_initialized() else 1
-        sampled, gen_s, score_s = roll_out(self.sampler, self.prompts, step_prompts, step, rank, world, self.reward,
-                                           device)
-        self.gathers += 2 if world > 1 else 0
+        gen_s = score_s = 0.0
+        if inner == 0:
+            mine = sorted({int(p) for batch, count in zip(batches, counted) if count
+                           for p in batch["prompt_index"].tolist()})
+            step_prompts = sorted(set().union(*map(set, gather_objects(mine))))  # canonical: by prompt index
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            sampled, gen_s, score_s = roll_out(self.sampler, self.prompts, step_prompts, step, rank, world,
+                                               self.reward, device)
+            self.gathers += 2 if world > 1 else 0
+            self.rollout, self._old_here = {"step": step, "sampled": sampled, "old": {}}, {}
+        elif self.rollout.get("step") != step - inner:
+            raise RuntimeError(f"step {step} trains the rollouts of step {step - inner}, which are not held "
+                               f"(rl.inner_steps={self.inner_steps}); a checkpoint written by this run holds them")
+        sampled = self.rollout["sampled"]
+        step_prompts = sorted(sampled)
         self.sampled = sampled  # the step's rollouts: prompt -> (its completions' tokens, their rewards)
         rewards = torch.tensor([sampled[p][1] for p in step_prompts], dtype=torch.float64)
         adv = advantages(rewards, self.estimator, self.scale)
@@ -178,16 +199,19 @@ class GRPO(NoObjective):
             "advantage_mean": float(adv.mean()), "completion_len_mean": sum(lengths) / len(lengths),
             "truncated_frac": sum(truncated) / len(truncated), "gen_s": gen_s, "score_s": score_s}
         self._began = time.perf_counter()
-        return [self.rows(batch, by_slot, device) for batch in batches]
+        old = self.rollout["old"] if inner else None
+        return [self.rows(batch, by_slot, device, old) for batch in batches]
 
-    def rows(self, batch: Mapping[str, torch.Tensor], by_slot: Dict[tuple, tuple], device: torch.device
-             ) -> Dict[str, torch.Tensor]:
+    def rows(self, batch: Mapping[str, torch.Tensor], by_slot: Dict[tuple, tuple], device: torch.device,
+             old: Optional[Dict[tuple, List[float]]] = None) -> Dict[str, torch.Tensor]:
         """A micro-batch of slots as rows: ``input_ids``, ``attention_mask`` and ``labels`` ``[B, L]`` (right
-        padding, masked by position), ``advantages`` ``[B]``. A placeholder's slot (not one of the step's) gets an
-        end of turn as its completion and advantage 0: it runs, and counts nowhere."""
+        padding, masked by position), ``advantages`` ``[B]``, ``slots`` ``[B, 2]`` (prompt, sample); with ``old``
+        (past a rollout's first step) ``old_logps`` ``[B, L - 1]``, each completion token's log-probability when
+        it was sampled. A placeholder's slot (not one of the step's) gets an end of turn as its completion and
+        advantage 0: it runs, and counts nowhere."""
         prompts, pad = self.prompts, self.prompts.pad_id
-        rows = []
-        for p, s in zip(batch["prompt_index"].tolist(), batch["sample"].tolist()):
+        rows, slots = [], list(zip(batch["prompt_index"].tolist(), batch["sample"].tolist()))
+        for p, s in slots:
             completion, advantage = by_slot.get((p, s), ([prompts.stop_ids[0]], 0.0))
             prompt = prompts.ids[p].tolist()
             rows.append((prompt + completion, len(prompt), advantage))
@@ -195,12 +219,25 @@ class GRPO(NoObjective):
         input_ids = torch.full((len(rows), length), pad, dtype=torch.long)
         labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
         attention = torch.zeros((len(rows), length), dtype=torch.long)
+        before = torch.zeros((len(rows), length - 1), dtype=torch.float32)
         for i, (ids, start, _) in enumerate(rows):
             input_ids[i, :len(ids)] = torch.tensor(ids)
             labels[i, start:len(ids)] = torch.tensor(ids[start:])
             attention[i, :len(ids)] = 1
-        return {"input_ids": input_ids.to(device), "attention_mask": attention.to(device), "labels": labels.to(device),
-                "advantages": torch.tensor([a for _, _, a in rows], dtype=torch.float64, device=device)}
+            if old is not None and slots[i] in old:  # position t - 1 predicts token t
+                before[i, start - 1:len(ids) - 1] = torch.tensor(old[slots[i]], dtype=torch.float32)
+        # the advantages (float64) and old log-probabilities (FP32) kept so through an fsdp root's input cast
+        out = {"input_ids": input_ids.to(device), "attention_mask": attention.to(device), "labels": labels.to(device),
+               "advantages": Exact(torch.tensor([a for _, _, a in rows], dtype=torch.float64, device=device)),
+               "slots": torch.tensor(slots, dtype=torch.long).reshape(-1, 2)}
+        if old is not None:
+            out["old_logps"] = Exact(before.to(device))
+        return out
+
+    def _record_old(self, batch: Mapping[str, torch.Tensor], logp: torch.Tensor, mask: torch.Tensor) -> None:
+        """Each completion's log-probabilities at the step that sampled it (the later inner steps' old ones)."""
+        for (p, s), row, on in zip(batch["slots"].tolist(), logp.float().cpu(), mask.cpu() > 0):
+            self._old_here[(p, s)] = row[on].tolist()
 
     @contextmanager
     def micro_batch(self, counted: bool) -> Iterator[None]:
@@ -226,8 +263,27 @@ class GRPO(NoObjective):
             dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
             self.reductions += 1
         out["ratio_max"], out["ratio_min"] = float(extremes[0]), -float(extremes[1])
+        if self._recording:  # every rank holds every completion's old log-probabilities (a resume reads them)
+            for part in gather_objects(self._old_here):
+                self.rollout["old"].update(part)
+            self.gathers += 1 if dist.is_initialized() and dist.get_world_size() > 1 else 0
+            self._recording = False
         out["train_s"] = time.perf_counter() - self._began
         return {**self.step_figures, **out}
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The rollouts the next steps train on (rl.inner_steps > 1); nothing otherwise (a step samples its own)."""
+        if self.inner_steps == 1 or not self.rollout:
+            return {}
+        return {"step": self.rollout["step"],
+                "sampled": [[p, c, r] for p, (c, r) in sorted(self.rollout["sampled"].items())],
+                "old": [[p, s, v] for (p, s), v in sorted(self.rollout["old"].items())]}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if not state:
+            return
+        self.rollout = {"step": state["step"], "sampled": {p: (c, r) for p, c, r in state["sampled"]},
+                        "old": {(p, s): v for p, s, v in state["old"]}}
 
     def comm(self) -> Dict[str, int]:
         comm = getattr(self.reference, "comm", None)

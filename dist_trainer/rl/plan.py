@@ -3,7 +3,7 @@ collectives."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -71,21 +71,42 @@ def sampling_passes(cfg: Config, plan: BatchPlan) -> int:
 
 def add_rollouts(cfg: Config, plan: BatchPlan, precision: Precision, group: Dict[str, Any],
                  counts: Dict[str, int]) -> None:
-    """The step's rollouts: two gathers of objects (the step's prompts; the completions and rewards) and one
-    all-reduce of the ratio's extremes, over ranks; under fsdp each sampling pass gathers every unit once (none
-    ahead: no gradient, each resharded after its forward). A reference copy's units are gathered once a
-    micro-batch where rl.kl.coef asks for it."""
+    """A step's own: one all-reduce of the ratio's extremes over ranks, and a reference copy's units gathered once
+    a micro-batch where rl.kl.coef asks for it; and the sampling's (``sampling_comm``: a step that samples)."""
     if plan.mesh.world_size > 1:
-        counts["rl_object_gathers"] = counts.get("rl_object_gathers", 0) + 2
         counts["rl_allreduces"] = counts.get("rl_allreduces", 0) + 1
-    if not dp_plan.sharded_by_fsdp(cfg):
-        return
-    passes, cut = sampling_passes(cfg, plan), {}
-    for unit in group["units"]:
-        gathered = dp_plan.unit_bytes(unit, plan.mesh.shard, precision, cut)[0]
-        dp_plan.add_unit_comm(counts, plan.mesh, gathered, 0, passes, 0)
-        if cfg.rl.kl.coef and reference_kind(cfg) == "copy":
+    if dp_plan.sharded_by_fsdp(cfg) and cfg.rl.kl.coef and reference_kind(cfg) == "copy":
+        for unit in group["units"]:
+            gathered = dp_plan.unit_bytes(unit, plan.mesh.shard, precision, {})[0]
             dp_plan.add_unit_comm(counts, plan.mesh, gathered, 0, plan.accum_steps, 0)
+    for key, value in sampling_comm(cfg, plan, precision, group).items():
+        counts[key] = counts.get(key, 0) + value
+
+
+def sampling_comm(cfg: Config, plan: BatchPlan, precision: Precision, group: Dict[str, Any]) -> Dict[str, int]:
+    """What a step that samples its rollouts adds: the gathers of objects over ranks (the step's prompts; the
+    completions and rewards; with rl.inner_steps > 1 the completions' log-probabilities, after the step); under
+    fsdp each sampling pass gathers every unit once (none ahead: no gradient, each resharded after its forward)."""
+    counts: Dict[str, int] = {"all_gathers": 0, "all_gather_bytes": 0, "reduce_scatters": 0,
+                              "reduce_scatter_bytes": 0, "allreduces": 0, "allreduce_bytes": 0}
+    if plan.mesh.world_size > 1:
+        counts["rl_object_gathers"] = 2 + (cfg.rl.inner_steps > 1)
+    if dp_plan.sharded_by_fsdp(cfg):
+        for unit in group["units"]:
+            gathered = dp_plan.unit_bytes(unit, plan.mesh.shard, precision, {})[0]
+            dp_plan.add_unit_comm(counts, plan.mesh, gathered, 0, sampling_passes(cfg, plan), 0)
+    return {k: v for k, v in counts.items() if v}
+
+
+def rl_numbers(cfg: Config, plan: BatchPlan, model: nn.Module, group: Dict[str, Any],
+               step: Optional[Dict[str, int]]) -> Dict[str, Any]:
+    """plan.json's ``inner_step`` (task=grpo with rl.inner_steps > 1): a step that trains its rollout again issues
+    ``step``'s collectives less the sampling's."""
+    if cfg.task != "grpo" or cfg.rl.inner_steps == 1 or step is None:
+        return {}
+    precision = Precision(cfg.precision, torch.device("cpu"))
+    sampling = sampling_comm(cfg, plan, precision, group)
+    return {"inner_step": {k: v - sampling.get(k, 0) for k, v in step.items()}}
 
 
 REFERENCE_TEXT = {"adapter": "the policy with its LoRA adapters disabled, no second copy",
@@ -126,4 +147,7 @@ def grpo_lines(cfg: Config, numbers: Dict[str, Any], model: nn.Module) -> List[s
     if dp_plan.sharded_by_fsdp(cfg):
         lines.append(f"  sampling under fsdp: every rank runs {-(-rl.prompts_per_step // world)} group(s) x "
                      f"{rl.rollout.max_new_tokens} passes a step, each gathering every unit (in all-gathers above)")
+    if rl.inner_steps > 1:
+        lines.append(f"  rl.inner_steps={rl.inner_steps}: a step in {rl.inner_steps} samples; the others train its "
+                     "rollouts again and issue none of the sampling's collectives (plan.json: inner_step)")
     return lines
