@@ -410,7 +410,6 @@ def test_a_grpo_run_resumes_bit_identically(tmp_path, prompts):
 def test_side_tensors_keep_their_dtype_through_an_fsdp_roots_input_cast():
     """FSDP2 casts a root's floating inputs to its parameters' dtype (bf16 in the master modes); the advantages
     and log-probabilities a batch carries in an Exact reach the loss as they were made (float64 here)."""
-    import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     seen = {}

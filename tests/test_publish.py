@@ -36,6 +36,15 @@ def logits_of(directory: Path) -> torch.Tensor:
         return model(INPUT_IDS).logits
 
 
+def _reply(handler: BaseHTTPRequestHandler, status: int, body: dict) -> None:
+    data = json.dumps(body).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
 class FakeSGLang:
     """POST /update_weights_from_disk on 127.0.0.1 (port 0: the system's choice), in a thread of the test:
     each announced directory loaded and recorded as (its name, its logits); ``accept=False`` replies
@@ -62,12 +71,7 @@ class FakeSGLang:
                     path = Path(body["model_path"])
                     server.announced.append((path.name, logits_of(path)))
                     reply, status = {"success": True, "message": "loaded"}, 200
-                data = json.dumps(reply).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                _reply(self, status, reply)
 
             def log_message(self, *args) -> None:  # quiet
                 pass
@@ -135,12 +139,7 @@ class FakeGroupServer:
                 elif self.path == "/update_weights":
                     info = body["update_info"]
                     receive(info["names"], info["dtype_names"], info["shapes"])
-                data = json.dumps({"success": True}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                _reply(self, 200, {"success": True})
 
             def log_message(self, *args) -> None:  # quiet
                 pass

@@ -79,7 +79,22 @@ class NoObjective:
         pass
 
 
-class DPO(NoObjective):
+class CountedObjective(NoObjective):
+    """An objective whose step figures count only the micro-batches that count (a placeholder's do not)."""
+
+    counting = True
+
+    @contextmanager
+    def micro_batch(self, counted: bool) -> Iterator[None]:
+        """Whether this micro-batch counts in the step's figures."""
+        self.counting = counted
+        try:
+            yield
+        finally:
+            self.counting = True
+
+
+class DPO(CountedObjective):
     """The loss of a micro-batch of pairs (``HFModel.forward`` calls it with itself and the batch)."""
 
     def __init__(self, cfg: DPOConfig, reference: Reference):
@@ -139,15 +154,6 @@ class DPO(NoObjective):
         all_reduce(totals)
         self.pairs_per_token = (totals[0] / totals[1].clamp(min=1)).item()
         return batches
-
-    @contextmanager
-    def micro_batch(self, counted: bool) -> Iterator[None]:
-        """Whether this micro-batch's pairs count in the step's figures (a placeholder's do not)."""
-        self.counting = counted
-        try:
-            yield
-        finally:
-            self.counting = True
 
     def slots(self) -> int:
         return len(self.figures)

@@ -31,8 +31,7 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,7 +40,7 @@ from torch import nn
 from ..config import LOSS_AGG_ALIASES, Config
 from ..data.builtin import IGNORE_INDEX
 from ..data.exact import Exact
-from .dpo import NoObjective, evaluation
+from .dpo import CountedObjective, evaluation
 from .rollout import Sampled, Sampler, gather_objects, roll_out
 
 # The figures summed over the step's completion tokens (slots of the step's all-reduce), then divided by them.
@@ -78,7 +77,7 @@ def kl_terms(logp: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.Ten
     return torch.exp(d) - d - 1  # k3
 
 
-class GRPO(NoObjective):
+class GRPO(CountedObjective):
     """The clipped policy-gradient loss of a micro-batch of completions (``HFModel.forward`` calls it)."""
 
     def __init__(self, cfg: Config, reference: Optional[TokenReference], sampler: Optional[Sampler] = None,
@@ -238,14 +237,6 @@ class GRPO(NoObjective):
         """Each completion's log-probabilities at the step that sampled it (the later inner steps' old ones)."""
         for (p, s), row, on in zip(batch["slots"].tolist(), logp.float().cpu(), mask.cpu() > 0):
             self._old_here[(p, s)] = row[on].tolist()
-
-    @contextmanager
-    def micro_batch(self, counted: bool) -> Iterator[None]:
-        self.counting = counted
-        try:
-            yield
-        finally:
-            self.counting = True
 
     def slots(self) -> int:
         return len(TOKEN_FIGURES) + 1
