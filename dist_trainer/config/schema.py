@@ -53,7 +53,7 @@ def divisors(n: int) -> List[int]:
 class BatchConfig:
     # samples per rank per forward/backward; "auto" (CUDA) finds the largest that fits
     micro_batch_size: Any = 16
-    global_batch_size: Optional[int] = None  # samples per optimizer step, all ranks
+    global_batch_size: Optional[int] = None  # samples per optimizer step, all ranks (task=grpo: its sequences)
     accum_steps: Optional[int] = None  # micro-batches per optimizer step
     # The epoch's last step when it holds fewer samples (data.drop_last=false):
     # "mean" averages over what it holds, like every step; "scaled" also multiplies
