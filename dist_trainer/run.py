@@ -23,7 +23,8 @@ from . import checkpoint, distributed, hostmem, tracking
 from .checkpoint import background
 from .compiling import CompileWatch, eager_eval
 from .config import BatchPlan, Config, ConfigError, logger_names
-from .data import StepPlan, TrainLoader, build_dataset, eval_loader
+from .data import StepPlan, TrainLoader, build_dataset, eval_loader, plan_for
+from .data.blend import source_figures
 from .distributed import DistEnv
 from .final import save_final_model
 from .finder import find_micro_batch_size, largest_divisor_at_most, model_trial
@@ -174,7 +175,7 @@ def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
     torch.manual_seed(cfg.trainer.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
     train_set = build_dataset(cfg.data)
     # The ranks of a tensor-parallel group see the same micro-batches: the data follows the data-parallel rank.
-    step_plan = StepPlan.for_config(len(train_set), cfg, plan, plan.mesh.data_rank(env.rank))  # data before model
+    step_plan = plan_for(train_set, cfg, plan, plan.mesh.data_rank(env.rank))  # data before model
     eval_set = build_dataset(cfg.data, split="val") if "split" in cfg.data else None
     precision = Precision(cfg.precision, env.device)
     # Under fsdp, hsdp, tp and pp the model is built on the meta device and each rank materialises its shards.
@@ -216,6 +217,7 @@ def build(cfg: Config, plan: BatchPlan, env: DistEnv) -> Parts:
               if cfg.precision.name in fp8.RECIPES and cfg.precision.fp8.all_gather else None)
     trainer = Trainer(strategy, optimizer, precision, env, plan, cfg.optim, cfg.trainer, cfg.batch.partial_step,
                       scales)
+    trainer.sources = source_figures(train_set)  # data=blend: per-source loss and tokens in the step's all-reduce
     # Dropout and other runtime randomness per data-parallel rank: a tp group's ranks draw alike, so what
     # they hold whole (the residual stream without sequence parallelism) stays identical on each.
     # Python's and NumPy's generators too (a model or dataset may draw from them; checkpoints save all three):
@@ -275,7 +277,7 @@ def choose_micro_batch(cfg: Config, parts: Parts, env: DistEnv) -> BatchPlan:
         log.info("batch.micro_batch_size=auto: %d samples fit on every rank; using %d (divides %d per rank) "
                  "x accum steps %d", fits, plan.micro_batch_size, per_rank, plan.accum_steps)
     trainer.plan = plan
-    parts.step_plan = StepPlan.for_config(len(parts.train_set), cfg, plan, plan.mesh.data_rank(env.rank))
+    parts.step_plan = plan_for(parts.train_set, cfg, plan, plan.mesh.data_rank(env.rank))
     return plan
 
 
@@ -388,6 +390,8 @@ def resume(parts: Parts, plan: BatchPlan, env: DistEnv, ckpt_root: checkpoint.Lo
     shards = path / checkpoint.SHARDS
     parts.trainer.load_checkpoint_state(shared["trainer"], shards if shards.is_dir() else None)
     position = Position(**shared["loop"])
+    if hasattr(parts.step_plan, "resume_from"):  # data=blend: the same blend, or data.blend.allow_change
+        parts.step_plan.resume_from(shared.get("blend"), position.step)
     if rng is not None:
         checkpoint.restore_rng(rng, env.device)
     else:  # more ranks than when it was saved: a fresh, distinct stream per rank
@@ -402,6 +406,8 @@ def checkpoint_state(parts: Parts, position: Position) -> tuple[Dict[str, Any], 
     # model_config: what rebuilds the model from this checkpoint alone (python -m dist_trainer.export)
     shared = {"trainer": trainer_state, "loop": asdict(position), "plan": asdict(parts.trainer.plan),
               "model_config": parts.model_config, "frozen": parts.frozen, "model_seed": parts.model_seed}
+    if hasattr(parts.step_plan, "checkpoint_state"):  # data=blend: its sources, weights and each one's position
+        shared["blend"] = parts.step_plan.checkpoint_state(position.step)
     return shared, sharded
 
 
@@ -520,6 +526,7 @@ def step_record(outcome: StepOutcome, position: Position, trainer: Trainer, step
         "peak_mem_mb": peak_mem_mb(env.device),
         **outcome.moe,  # MoE: aux_loss, z_loss, expert_tokens, expert_load_max, dead_experts
         **outcome.rl,  # task=dpo: rewards/chosen, rewards/rejected, rewards/accuracies, ... (rl.dpo.FIGURES)
+        **outcome.sources,  # data=blend: source_loss.NAME, source_tokens.NAME
     }
     if outcome.pp_idle_times:  # pipeline stages: each stage group's idle seconds (its slowest rank's), measured
         mesh, per = trainer.plan.mesh, trainer.plan.mesh.stage_ranks

@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass  # a subc
 
 from .config import BatchPlan, OptimConfig, TrainerConfig
 from .data import Window
+from .data.blend import NoSources
 from .distributed import DistEnv
 from .moe import routing_of
 from .optim import lr_at, set_lr
@@ -85,6 +86,8 @@ class StepOutcome:
     moe: Dict[str, Any] = field(default_factory=dict)
     # task=dpo: the step's rewards and log-probabilities, means over its pairs (rl.dpo.FIGURES); empty for task=lm
     rl: Dict[str, Any] = field(default_factory=dict)
+    # data=blend: each source's token-weighted loss and tokens in the step (source_loss.NAME, source_tokens.NAME)
+    sources: Dict[str, Any] = field(default_factory=dict)
 
 
 def _leading_dim(batch: Any) -> int:
@@ -165,6 +168,8 @@ class Trainer:
         self.routing_share = float(plan.mesh is None or env.rank % plan.mesh.tp == 0)
         # The task's objective (task=dpo: the pairs' loss, its figures summed in the step's all-reduce; else none).
         self.objective = objective_of(self.module)
+        # data=blend's per-source figures, summed in the step's all-reduce (run.build sets them; none otherwise)
+        self.sources: Any = NoSources()
 
     def optimizer_comm(self) -> Dict[str, int]:
         """The optimizer's own collectives (Muon's gathers of sharded matrices; the float8 all-gather's scales,
@@ -199,6 +204,7 @@ class Trainer:
                     with self.precision.autocast():
                         output = self.model(batch)
                     mb_loss_sum, mb_items = loss_terms(output, batch, count)
+                    self.sources.add(output, batch, count)
                     if self.loss_divisor is None:  # the run's first micro-batch: its items, averaged over ranks
                         self.loss_divisor = self._first_divisor(mb_items)
                     (mb_loss_sum * self.loss_factor()).backward()
@@ -241,6 +247,7 @@ class Trainer:
         counts before the first backward, the window's forward passes run first without gradients to count them,
         summed over ranks. The micro-batches to run: the objective's (task=grpo: its rollouts' rows)."""
         batches = list(self.objective.begin_step(self.env.device, batches, counted, self._all_reduce, step))
+        self.sources.begin_step(self.env.device)
         self.routing.begin_step(self.env.device)
         if self.routing.needs_prepass(len(counted), self.plan.data_ranks):
             self.routing.count_window(lambda: self.forward_window(batches, counted), self._reduce_counts,
@@ -325,7 +332,8 @@ class Trainer:
             stats[B + 5 * world + self.env.rank] = self.strategy.pp_inflight
         # MoE: the step's expert counts and balancing sums ride along (none for a dense model).
         stats = torch.cat([stats, self.routing.local_stats(self.routing_share).to(stats.device),
-                           self.objective.local_stats(share).to(stats.device)])
+                           self.objective.local_stats(share).to(stats.device),
+                           self.sources.local_stats(share).to(stats.device)])
         self._all_reduce(stats)
         values = stats.tolist()  # the step's one host sync
         pp = values[B + 3 * world:own]  # pipeline stages' slots (none without)
@@ -343,7 +351,9 @@ class Trainer:
                             "compute_times": values[B + 2 * world:B + 3 * world],
                             "pp_idle_times": pp[:world], "pp_schedule_times": pp[world:2 * world],
                             "pp_inflight": pp[2 * world:], "moe": self.routing.take_totals(values[own:], items),
-                            "rl": self.objective.take_totals(values[own + self.routing.slots():], items)}}
+                            "rl": self.objective.take_totals(values[own + self.routing.slots():], items),
+                            "sources": self.sources.take_totals(
+                                values[own + self.routing.slots() + self.objective.slots():])}}
 
     def _apply(self, totals: dict, scale: float, step: int) -> Dict[str, Any]:
         """Skip, or normalise, clip and step; what the outcome reports of it, by StepOutcome's names."""

@@ -17,6 +17,7 @@ from . import fp8
 from .config import (ACCUM_SYNCS, LOGGER_PACKAGES, LOGGERS, LR_SCALINGS, NONFINITE_POLICIES, OPTIMIZERS, PRECISIONS,
                      RESHARDS, SCHEDULES, STRATEGIES, BatchConfig, BatchPlan, Config, ConfigError, MeshShape,
                      derive_batch, derive_mesh, require, resolve_reshard, scaled_lr)
+from .data.mixture import check_blend, check_blend_mesh
 from .models.loss import check_loss
 from .moe.ep import check_ep_size
 from .moe.routing import check_moe
@@ -219,9 +220,10 @@ def check_optimizer_cuts(cfg: Config, mesh: MeshShape) -> None:
 
 # Each feature's checks, in the order they run. The keys alone, before the mesh is derived:
 KEY_CHECKS = (check_precision, check_batch, check_optim, check_muon, check_optim_state, check_trainer, check_dist,
-              check_tp, check_loggers, check_data, check_pp, check_moe, check_task, check_publish)
+              check_tp, check_loggers, check_data, check_blend, check_pp, check_moe, check_task, check_publish)
 # The keys against the mesh, once it is derived:
-MESH_CHECKS = (check_ep_size, check_cp, check_loss, check_fp8, check_optimizer_cuts, check_task_mesh)
+MESH_CHECKS = (check_ep_size, check_cp, check_loss, check_fp8, check_optimizer_cuts, check_task_mesh,
+               check_blend_mesh)
 # The keys against the batch plan, once it is derived:
 PLAN_CHECKS = (check_pp_window,)
 

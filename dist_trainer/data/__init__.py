@@ -10,6 +10,8 @@
 ``hf_text``          ``data=hf_text``: local text files read with Hugging Face ``datasets``
 ``hf_chat``          ``data=hf_chat``: conversations, the loss on the answers only
 ``hf_preference``    ``data=hf_preference``: preference pairs for DPO, a batch of the chosen rows then the rejected
+``mixture``          ``data=blend``'s arithmetic: weights and schedules, each source's count per step, its keys' checks
+``blend``            ``data=blend``: the sources end to end, and their order per step (``BlendPlan``)
 
 Nothing here imports the run, the step or a strategy; the ``hf_*`` modules and ``tokenizer`` import
 ``datasets``, ``tokenizers`` and ``jinja2`` at their own level or lazily, so the rest works without the
@@ -19,6 +21,7 @@ Nothing here imports the run, the step or a strategy; the ``hf_*`` modules and `
 
 from .loader import (SampleOrder, StepPlan, TrainLoader, Window, build_dataset, collate_of, epoch_batches,
                      eval_loader, hash_key)
+from .blend import Blend, BlendPlan, plan_for
 
 __all__ = ["StepPlan", "SampleOrder", "Window", "TrainLoader", "build_dataset", "epoch_batches", "eval_loader",
-           "collate_of", "hash_key"]
+           "collate_of", "hash_key", "Blend", "BlendPlan", "plan_for"]

@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..moe import BalanceConfig, Experts, MoE, Routing, SharedExperts, inactive_params
 from .loss import LossOptions, chunked_loss_terms
@@ -279,7 +280,24 @@ class GPT(nn.Module):
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.routing is not None:  # the positions the balancing terms count: those whose target counts
             self.routing.token_mask = batch["targets"] != IGNORE_INDEX
-        return self.head_loss(self.hidden(batch["input_ids"], batch.get("position_ids")), batch["targets"])
+        hidden = self.hidden(batch["input_ids"], batch.get("position_ids"))
+        # data=blend: each row's sums too, for the per-source figures (the plain loss only: not chunked, and a
+        # head cut over the vocabulary under tp computes its loss on shards)
+        if "source" in batch and not self.loss_options.chunked and not isinstance(self.head.weight, DTensor):
+            return self.sample_loss_terms(self.head(hidden), batch["targets"])
+        return self.head_loss(hidden, batch["targets"])
+
+    @staticmethod
+    def sample_loss_terms(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``loss_terms`` with each row's summed loss and counted targets beside them (``sample_loss_sum``,
+        ``sample_items``): the per-source figures of a blend. The total is the rows' sum (the same terms,
+        summed in another order than ``loss_terms``' one reduction)."""
+        per_token = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
+                                    ignore_index=IGNORE_INDEX, reduction="none").view(targets.shape)
+        rows = per_token.sum(dim=1)
+        counted = (targets != IGNORE_INDEX).sum(dim=1)
+        return {"loss_sum": rows.sum(), "num_items": counted.sum(), "sample_loss_sum": rows.detach(),
+                "sample_items": counted}
 
     def head_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
         """``loss_terms`` of the head's logits of ``hidden`` (the final norm's output), whole or chunk by chunk."""
