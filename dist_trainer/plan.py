@@ -29,7 +29,8 @@ from . import fp8_plan, hostmem
 from .activations import predicted_bytes
 from .checkpoint.plan import expected_staging_bytes, persistent_buffer_bytes
 from .config import MIB, BatchPlan, Config, ConfigError, master_mode
-from .data import StepPlan, build_dataset
+from .data import BlendPlan, build_dataset, plan_for
+from .data import mixture
 from .model_plan import expected_export_bytes, expected_load_bytes
 from .models.hf import TARGETS as HF_TARGETS
 from .moe import ep_plan
@@ -66,6 +67,7 @@ STEP = (dp_plan.add_step,  # the gradients': DDP's buckets, or FSDP's units
         cp_plan.add_step,  # attention's exchanges
         add_step_allreduce,
         rl_plan.add_step,  # task=dpo: its figures in the step's all-reduce, the reference's pass under fsdp
+        mixture.add_step,  # data=blend: each source's loss and tokens in the step's all-reduce
         ep_plan.add_routing_step,  # the routing's counts ride the step's all-reduce
         optim_plan.add_step,  # Muon's gathers of whole matrices
         fp8_plan.add_scale_step)  # the float8 all-gather's scales
@@ -305,7 +307,7 @@ def plan_report(cfg: Config, world_size: int, local_world_size: Optional[int] = 
         raise ConfigError("dist.fsdp.shard_size=node: plan mode needs the ranks per node; set plan.nproc_per_node")
     plan = validate(cfg, world_size, local_world_size)
     dataset = build_dataset(cfg.data)
-    step_plan = StepPlan.for_config(len(dataset), cfg, plan, rank=0)
+    step_plan = plan_for(dataset, cfg, plan, rank=0)
     # the data ready and no model yet: a run's rank 0 holds the same when it builds its model
     numbers = plan_numbers(cfg, plan, host_baseline_mb=hostmem.resident_mb() if runs_on_cpu(cfg) else None)
     if json_path is not None:
@@ -352,9 +354,11 @@ def plan_report(cfg: Config, world_size: int, local_world_size: Optional[int] = 
            f"export)"] if numbers.get("run_host_peak_mb") is not None else []),
         f"  a checkpoint's copy in host memory per rank under trainer.ckpt_async=true: "
         f"{numbers['ckpt_staging_mb']:.2f} MiB (ckpt_staging_mb; the model in FP32 and the optimizer state)",
-        f"  dataset {len(dataset):,} samples: {step_plan.steps_per_epoch} optimizer steps per epoch "
-        f"(data.drop_last={cfg.data.get('drop_last', False)}); {plan.max_steps} steps = {epochs:.2f} epochs "
-        f"= {math.ceil(epochs)} epoch(s) started",
+        *(mixture.plan_lines(step_plan.mixture, dataset.lengths, dataset.kinds, plan.max_steps)
+          if isinstance(step_plan, BlendPlan) else
+          [f"  dataset {len(dataset):,} samples: {step_plan.steps_per_epoch} optimizer steps per epoch "
+           f"(data.drop_last={cfg.data.get('drop_last', False)}); {plan.max_steps} steps = {epochs:.2f} epochs "
+           f"= {math.ceil(epochs)} epoch(s) started"]),
         *([f"  plan.json: {json_path}"] if json_path is not None else []),
     ])
 

@@ -228,3 +228,45 @@ def changed_key(saved: Mapping[str, Any], now: Mapping[str, Any]) -> Optional[Tu
                                                   "kind" if field == "kind" else "(its data)")
                 return key, f"was {saved[name].get(field)!r} ({what}) in the checkpoint, now {now[name].get(field)!r}"
     return None
+
+
+# ----------------------------------------------------------------------------- plan mode's wing
+
+def add_step(cfg: Config, plan: Any, model: Any, precision: Any, group: Dict[str, Any], counts: Dict[str, int]) -> None:
+    """A blend's per-source loss and tokens ride the step's all-reduce: two float64 slots a source."""
+    if is_blend(cfg.data):
+        counts["step_allreduce_bytes"] += 2 * 8 * len(sources_of(cfg.data))
+
+
+def wrap_steps(mixture: Mixture, k: int, length: int, max_steps: int) -> List[int]:
+    """The steps at which source k starts a new epoch (its first sample of epoch 1, 2, ...) up to ``max_steps``."""
+    taken = [mixture.taken(s)[k] for s in range(0, max_steps + 1)]
+    steps, epoch = [], 1
+    for s in range(1, max_steps + 1):
+        while taken[s] > epoch * length:  # step s takes position epoch * length: the new epoch's first sample
+            if taken[s - 1] <= epoch * length:
+                steps.append(s)
+            epoch += 1
+    return steps
+
+
+def plan_lines(mixture: Mixture, lengths: Sequence[int], kinds: Sequence[str], max_steps: int,
+               show: int = 8) -> List[str]:
+    """Each source's share per step, its epoch in steps and the steps at which it wraps, over the run."""
+    lines = [f"  blend of {len(lengths)} sources, {mixture.total} samples a step (data.sources; counts exact each "
+             f"step, order keyed by trainer.seed, step, source, index):"]
+    for k, name in enumerate(mixture.names):
+        per_step = [mixture.counts(s)[k] for s in range(1, max_steps + 1)]
+        total = sum(per_step)
+        points = mixture.schedules[k]
+        weight = (f"weight {points[0][1]:g}" if len(points) == 1 else
+                  "weight " + " -> ".join(f"{w:g}@{s}" for s, w in points))
+        share = (f"{min(per_step)}" if min(per_step) == max(per_step) else f"{min(per_step)}-{max(per_step)}")
+        epoch = f"{lengths[k] * max_steps / total:.1f} steps" if total else "never reached"
+        wraps = wrap_steps(mixture, k, lengths[k], max_steps)
+        wrap_text = ("never wraps" if not wraps else "wraps at steps " + ", ".join(map(str, wraps[:show]))
+                     + (f", ... ({len(wraps)} in all)" if len(wraps) > show else ""))
+        lines.append(f"    {name} ({kinds[k]}, {lengths[k]:,} samples): {weight}, {share} samples a step "
+                     f"({total / max(max_steps, 1):.2f} on average, {total:,} in {max_steps} steps); "
+                     f"an epoch = {epoch}; {wrap_text}")
+    return lines
