@@ -25,7 +25,7 @@ from dist_trainer import distributed
 from dist_trainer.config import BatchConfig, Config, ConfigError, DistConfig, OptimConfig, PrecisionConfig, \
     TrainerConfig
 from dist_trainer.data import BlendPlan, TrainLoader, build_dataset
-from dist_trainer.data.mixture import Mixture, apportion, plan_lines, weight_at, wrap_steps
+from dist_trainer.data.mixture import Mixture, apportion, changed_key, plan_lines, weight_at, wrap_steps
 from dist_trainer.run import build, train
 from dist_trainer.validation import validate
 from helpers import assert_all_close_scaled
@@ -148,6 +148,21 @@ def test_any_split_takes_the_same_samples_and_each_source_wraps_on_its_own(files
     assert "code (tokens, 13 samples): weight 0.3, 3 samples a step" in lines and "wraps at steps 5, 9, 14, 18" in lines
 
 
+def test_a_resume_names_what_changed_in_the_blend():
+    saved = {"web": {"kind": "tokens", "weight": [[1, 0.5]], "length": 40},
+             "code": {"kind": "tokens", "weight": [[1, 0.3]], "length": 13}}
+    assert changed_key(saved, json.loads(json.dumps(saved))) is None
+    cases = [({"web": saved["web"]}, "data.sources.code", "not in this run's"),
+             ({**saved, "math": saved["code"]}, "data.sources.math", "is new"),
+             ({**saved, "code": {**saved["code"], "kind": "hf_text"}}, "data.sources.code.kind", "was tokens"),
+             ({**saved, "web": {**saved["web"], "weight": [[1, 0.5], [90, 0.1]]}}, "data.sources.web.weight",
+              "was [[1, 0.5]] in the checkpoint, now [[1, 0.5], [90, 0.1]]"),
+             ({**saved, "code": {**saved["code"], "length": 14}}, "data.sources.code", "13 samples")]
+    for now, key, why in cases:
+        got = changed_key(saved, now)
+        assert got[0] == key and why in got[1], (key, got)
+
+
 @pytest.mark.parametrize("key,value,message", [
     ("web.weight", -1, "data.sources.web.weight=-1"),
     ("web.weight", [[3, 0.5], [2, 0.1]], "data.sources.web.weight[1]"),
@@ -168,6 +183,10 @@ def test_sources_that_disagree_are_refused(files, tmp_path):
     cfg = blend_config(files, 10)
     cfg.data["sources"]["web"]["path"] = str(tmp_path / "missing.bin")
     with pytest.raises(ConfigError, match=r"data\.sources\.web\.path=.*no such file"):
+        build_dataset(cfg.data)
+    cfg = blend_config(files, 10)
+    cfg.data["vocab_size"] = 256  # the text source's documents end with id 256
+    with pytest.raises(ConfigError, match=r"data\.sources\.notes\.files=.*token id 256 .* beyond model\.vocab_size=256"):
         build_dataset(cfg.data)
     other = tmp_path / "other"
     other.mkdir()

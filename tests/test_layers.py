@@ -71,10 +71,11 @@ def test_validation_runs_the_features_checks_in_the_documented_order():
     assert names(validation.KEY_CHECKS) == [
         "validation.check_precision", "validation.check_batch", "validation.check_optim", "optim.muon.check_muon",
         "validation.check_optim_state", "validation.check_trainer", "validation.check_dist",
-        "parallel.checks.check_tp", "validation.check_loggers", "validation.check_data", "parallel.checks.check_pp",
+        "parallel.checks.check_tp", "validation.check_loggers", "validation.check_data", "data.mixture.check_blend",
+        "parallel.checks.check_pp",
         "moe.routing.check_moe", "rl.checks.check_task", "rl.checks.check_publish"]
     assert isinstance(validation.MESH_CHECKS, tuple)
     assert names(validation.MESH_CHECKS) == [
         "moe.ep.check_ep_size", "parallel.checks.check_cp", "models.loss.check_loss", "validation.check_fp8",
-        "validation.check_optimizer_cuts", "rl.checks.check_task_mesh"]
+        "validation.check_optimizer_cuts", "rl.checks.check_task_mesh", "data.mixture.check_blend_mesh"]
     assert names(validation.PLAN_CHECKS) == ["parallel.checks.check_pp_window"]

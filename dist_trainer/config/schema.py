@@ -462,9 +462,10 @@ class Config:
     # The model= group's node (gpt, digits_convnet, hf_causal_lm, hf_masked_lm, custom): _target_ names the
     # nn.Module (or the function) built; the other keys are its arguments
     model: Dict[str, Any] = field(default_factory=dict)
-    # The data= group's node (char_text, digits, tokens, hf_text, hf_chat, custom): _target_ names the callable
-    # that returns the dataset; the other keys are its arguments, but shuffle, drop_last, num_workers and
-    # prefetch_factor, which are the loader's
+    # The data= group's node (char_text, digits, tokens, hf_text, hf_chat, hf_preference, blend, custom): _target_
+    # names the callable that returns the dataset; the other keys are its arguments, but shuffle, drop_last,
+    # num_workers and prefetch_factor, which are the loader's. data=blend: data.sources.NAME.{kind, weight, the
+    # kind's own keys} and data.blend.allow_change (docs/data.md)
     data: Dict[str, Any] = field(default_factory=dict)
     batch: BatchConfig = field(default_factory=BatchConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)

@@ -117,7 +117,8 @@ def _vocabulary(dataset: Dataset) -> tuple:
 
 
 def _check_vocabularies(names: Sequence[str], datasets: Sequence[Dataset], model_vocab: Optional[int]) -> None:
-    """One tokenizer and one vocabulary size among the sources that say theirs, within the model's."""
+    """One tokenizer and one vocabulary size among the sources that say theirs; ids within the model's vocabulary
+    (``data.vocab_size``, the model's: sampled, as data=tokens checks its file)."""
     known = [(name, *_vocabulary(d)) for name, d in zip(names, datasets)]
     for i, what in ((1, "tokenizer"), (2, "vocabulary size")):
         seen = [(k[0], k[i]) for k in known if k[i] is not None]
@@ -125,10 +126,13 @@ def _check_vocabularies(names: Sequence[str], datasets: Sequence[Dataset], model
             listing = ", ".join(f"{n}: {v}" for n, v in seen)
             raise ConfigError(f"data.sources: the sources' {what}s differ ({listing}); a blend shares one "
                               "vocabulary: tokenize every source with data.tokenizer")
-    for name, _, size in known:
-        if model_vocab is not None and size is not None and int(size) > int(model_vocab):
-            raise ConfigError(f"model.vocab_size={model_vocab}: source {name}'s vocabulary has {size} ids; set "
-                              f"model.vocab_size={size} (or more)")
+    if model_vocab is None:
+        return
+    from .tokens import TokenFile
+
+    for name, dataset in zip(names, datasets):  # token files check their ids as they open; text tokenized here too
+        if isinstance(dataset, TokenFile) and type(dataset) is not TokenFile:
+            dataset._check_vocab(int(model_vocab), f"data.sources.{name}.files")
 
 
 def blend(sources: Dict[str, Any], block_size: int, tokenizer: str = "bytes", vocab_size: Optional[int] = None,

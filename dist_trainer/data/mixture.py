@@ -221,12 +221,15 @@ def changed_key(saved: Mapping[str, Any], now: Mapping[str, Any]) -> Optional[Tu
             return f"data.sources.{name}", "is in the checkpoint's blend and not in this run's"
         if name not in saved:
             return f"data.sources.{name}", "is new: the checkpoint's blend has no such source"
-        for field in ("kind", "weight", "length"):
-            if saved[name].get(field) != now[name].get(field):
-                what = "samples" if field == "length" else field
-                key = f"data.sources.{name}." + ("weight" if field == "weight" else
-                                                  "kind" if field == "kind" else "(its data)")
-                return key, f"was {saved[name].get(field)!r} ({what}) in the checkpoint, now {now[name].get(field)!r}"
+        was, now_ = saved[name], now[name]
+        if was.get("kind") != now_.get("kind"):
+            return f"data.sources.{name}.kind", f"was {was.get('kind')} in the checkpoint, now {now_.get('kind')}"
+        if was.get("weight") != now_.get("weight"):
+            return (f"data.sources.{name}.weight", f"was {was.get('weight')} in the checkpoint, now "
+                    f"{now_.get('weight')}")
+        if was.get("length") != now_.get("length"):
+            return (f"data.sources.{name}", f"its data had {was.get('length')} samples in the checkpoint, now "
+                    f"{now_.get('length')}")
     return None
 
 
