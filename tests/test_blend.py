@@ -25,7 +25,7 @@ from dist_trainer import distributed
 from dist_trainer.config import BatchConfig, Config, ConfigError, DistConfig, OptimConfig, PrecisionConfig, \
     TrainerConfig
 from dist_trainer.data import BlendPlan, TrainLoader, build_dataset
-from dist_trainer.data.mixture import Mixture, apportion, changed_key, plan_lines, weight_at, wrap_steps
+from dist_trainer.data.mixture import Mixture, apportion, changed_key, plan_lines, taken_table, weight_at, wrap_steps
 from dist_trainer.run import build, train
 from dist_trainer.validation import validate
 from helpers import assert_all_close_scaled
@@ -143,7 +143,7 @@ def test_any_split_takes_the_same_samples_and_each_source_wraps_on_its_own(files
             before, after = one.mixture.taken(s - 1)[k], one.mixture.taken(s)[k]
             assert sorted(got) == sorted(stream[before:after].tolist()), (name, s)
     # code (13 samples, 3 a step) wraps at steps 5, 9, 14, ...: plan mode says so
-    assert wrap_steps(one.mixture, 1, CODE, 20) == [5, 9, 14, 18]
+    assert wrap_steps(taken_table(one.mixture, 20)[:, 1], CODE) == [5, 9, 14, 18]
     lines = "\n".join(plan_lines(one.mixture, lengths, one.blend.kinds, 20))
     assert "code (tokens, 13 samples): weight 0.3, 3 samples a step" in lines and "wraps at steps 5, 9, 14, 18" in lines
 

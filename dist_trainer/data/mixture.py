@@ -25,6 +25,8 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+import numpy as np
+
 from ..config import Config, ConfigError, MeshShape, require
 
 KINDS = ("tokens", "hf_text", "hf_chat", "custom")
@@ -90,16 +92,27 @@ def apportion(total: int, weights: Sequence[float], carry: Sequence[float]) -> T
 
 class Mixture:
     """Counts per source per step, from ``start`` on: ``start`` is (the step done, each source's samples taken so
-    far, its carry), (0, zeros, zeros) for a run from the beginning. Steps are computed once, as asked."""
+    far, its carry), (0, zeros, zeros) for a run from the beginning.
+
+    The rounding runs forward step by step; the last ``KEEP`` steps' results are kept (the loader asks for the
+    step it is at and a few ahead), and a step before them is replayed from ``start``: memory stays bounded
+    however long the run."""
+
+    KEEP = 4096
 
     def __init__(self, names: Sequence[str], schedules: Sequence[Points], global_batch_size: int,
                  start: Optional[Tuple[int, Sequence[int], Sequence[float]]] = None):
         self.names, self.schedules, self.total = list(names), list(schedules), global_batch_size
         step, taken, carry = start or (0, [0] * len(names), [0.0] * len(names))
         self.first = step  # steps 1..first are before this mixture: asked about, they are an error
-        self._taken = [list(taken)]  # _taken[i]: each source's samples taken in the steps before step first + 1 + i
-        self._carries = [list(carry)]  # likewise, each source's carry
-        self._counts: List[List[int]] = []
+        self.start = (step, list(taken), list(carry))
+        self._rewind()
+
+    def _rewind(self) -> None:
+        step, taken, carry = self.start
+        # step -> (each source's samples taken in steps 1..step, its carry after step, its count in step)
+        self._done: Dict[int, Tuple[List[int], List[float], List[int]]] = {step: (list(taken), list(carry), [])}
+        self._last = step
 
     def weights(self, step: int) -> List[float]:
         """The normalised weights at ``step``."""
@@ -109,32 +122,32 @@ class Mixture:
             raise ConfigError(f"data.sources: every weight is 0 at step {step}; give some source a weight > 0 there")
         return [w / total for w in raw]
 
-    def _extend(self, step: int) -> None:
-        while self.first + len(self._counts) < step:
-            s = self.first + len(self._counts) + 1
-            counts, carry = apportion(self.total, self.weights(s), self._carries[-1])
-            self._counts.append(counts)
-            self._carries.append(carry)
-            self._taken.append([t + c for t, c in zip(self._taken[-1], counts)])
+    def _at(self, step: int) -> Tuple[List[int], List[float], List[int]]:
+        if step < self.first:
+            raise ValueError(f"step {step} is before this mixture's first step {self.first + 1}")
+        if step not in self._done and step < self._last:  # before the steps kept: replay from the start
+            self._rewind()
+        while self._last < step:
+            taken, carry, _ = self._done[self._last]
+            self._last += 1
+            counts, carry = apportion(self.total, self.weights(self._last), carry)
+            self._done[self._last] = ([t + c for t, c in zip(taken, counts)], carry, counts)
+            self._done.pop(self._last - self.KEEP, None)
+        return self._done[step]
 
     def counts(self, step: int) -> List[int]:
         """Each source's samples in step ``step`` (1 the first)."""
         if step <= self.first:
             raise ValueError(f"step {step} is before this mixture's first step {self.first + 1}")
-        self._extend(step)
-        return self._counts[step - self.first - 1]
+        return self._at(step)[2]
 
     def taken(self, step: int) -> List[int]:
         """Each source's samples in steps 1..step (its position in its own stream after ``step``)."""
-        if step < self.first:
-            raise ValueError(f"step {step} is before this mixture's first step {self.first + 1}")
-        self._extend(step)
-        return self._taken[step - self.first]
+        return self._at(step)[0]
 
     def carry(self, step: int) -> List[float]:
         """Each source's carry after ``step``: what it is owed (above 0) or was given ahead (below)."""
-        self.taken(step)
-        return list(self._carries[step - self.first])
+        return list(self._at(step)[1])
 
     def state(self, step: int) -> Dict[str, Any]:
         """What a checkpoint at ``step`` holds of the blend: each source's position and carry, by name."""
@@ -144,7 +157,8 @@ class Mixture:
         taken, carry = self.taken(step), self.carry(step)
         # where this mixture's rounding started (step 0, or a resume that changed the blend): a resume of the same
         # blend replays from there
-        start = {"step": self.first, "taken": named(self._taken[0]), "carry": named(self._carries[0])}
+        first, taken0, carry0 = self.start
+        start = {"step": first, "taken": named(taken0), "carry": named(carry0)}
         return {"step": step, "taken": named(taken), "carry": named(carry), "start": start}
 
 
@@ -241,16 +255,17 @@ def add_step(cfg: Config, plan: Any, model: Any, precision: Any, group: Dict[str
         counts["step_allreduce_bytes"] += 2 * 8 * len(sources_of(cfg.data))
 
 
-def wrap_steps(mixture: Mixture, k: int, length: int, max_steps: int) -> List[int]:
-    """The steps at which source k starts a new epoch (its first sample of epoch 1, 2, ...) up to ``max_steps``."""
-    taken = [mixture.taken(s)[k] for s in range(0, max_steps + 1)]
-    steps, epoch = [], 1
-    for s in range(1, max_steps + 1):
-        while taken[s] > epoch * length:  # step s takes position epoch * length: the new epoch's first sample
-            if taken[s - 1] <= epoch * length:
-                steps.append(s)
-            epoch += 1
-    return steps
+def taken_table(mixture: Mixture, max_steps: int) -> np.ndarray:
+    """Each source's samples taken in steps 1..s, for s = 0..max_steps: one pass of the rounding."""
+    return np.array([mixture.taken(s) for s in range(mixture.first, max_steps + 1)], dtype=np.int64)
+
+
+def wrap_steps(taken: np.ndarray, length: int, first: int = 0) -> List[int]:
+    """The steps at which a source of ``length`` samples starts a new epoch (takes sample ``e * length`` of its
+    stream, e = 1, 2, ...), from its column of ``taken_table`` (row i: after step first + i)."""
+    bounds = np.arange(length, int(taken[-1]), length)  # the epochs' first positions that the run reaches
+    rows = np.searchsorted(taken, bounds, side="right")  # the first step that took position b: taken > b
+    return sorted(set((rows + first).tolist()))
 
 
 def plan_lines(mixture: Mixture, lengths: Sequence[int], kinds: Sequence[str], max_steps: int,
@@ -258,18 +273,21 @@ def plan_lines(mixture: Mixture, lengths: Sequence[int], kinds: Sequence[str], m
     """Each source's share per step, its epoch in steps and the steps at which it wraps, over the run."""
     lines = [f"  blend of {len(lengths)} sources, {mixture.total} samples a step (data.sources; counts exact each "
              f"step, order keyed by trainer.seed, step, source, index):"]
+    table = taken_table(mixture, max_steps)
+    steps = max(max_steps - mixture.first, 1)
     for k, name in enumerate(mixture.names):
-        per_step = [mixture.counts(s)[k] for s in range(1, max_steps + 1)]
-        total = sum(per_step)
+        per_step = np.diff(table[:, k])
+        total = int(per_step.sum())
         points = mixture.schedules[k]
         weight = (f"weight {points[0][1]:g}" if len(points) == 1 else
                   "weight " + " -> ".join(f"{w:g}@{s}" for s, w in points))
-        share = (f"{min(per_step)}" if min(per_step) == max(per_step) else f"{min(per_step)}-{max(per_step)}")
-        epoch = f"{lengths[k] * max_steps / total:.1f} steps" if total else "never reached"
-        wraps = wrap_steps(mixture, k, lengths[k], max_steps)
+        low, high = (int(per_step.min()), int(per_step.max())) if per_step.size else (0, 0)
+        share = f"{low}" if low == high else f"{low}-{high}"
+        epoch = f"{lengths[k] * steps / total:.1f} steps" if total else "never reached"
+        wraps = wrap_steps(table[:, k], lengths[k], mixture.first)
         wrap_text = ("never wraps" if not wraps else "wraps at steps " + ", ".join(map(str, wraps[:show]))
                      + (f", ... ({len(wraps)} in all)" if len(wraps) > show else ""))
         lines.append(f"    {name} ({kinds[k]}, {lengths[k]:,} samples): {weight}, {share} samples a step "
-                     f"({total / max(max_steps, 1):.2f} on average, {total:,} in {max_steps} steps); "
+                     f"({total / steps:.2f} on average, {total:,} in {steps} steps); "
                      f"an epoch = {epoch}; {wrap_text}")
     return lines
