@@ -16,6 +16,7 @@ step), never the samples.
 
 from __future__ import annotations
 
+import bisect
 import re
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
 
@@ -37,6 +38,8 @@ class Blend(Dataset):
         self.names, self.datasets, self.kinds = list(names), list(datasets), list(kinds)
         self.lengths = [len(d) for d in datasets]
         self.offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
+        self._starts = self.offsets.tolist()  # plain ints: bisect on a handful is faster than numpy
+        self._ids = [torch.tensor(k, dtype=torch.long) for k in range(len(datasets))]  # never written to
         first = datasets[0]
         for attr in ("block_size", "vocab_size", "tokenizer", "items_are_tokens"):
             if hasattr(first, attr):
@@ -48,15 +51,15 @@ class Blend(Dataset):
         return int(self.offsets[-1])
 
     def source_of(self, index: int) -> int:
-        return int(np.searchsorted(self.offsets, index, side="right")) - 1
+        return bisect.bisect_right(self._starts, index) - 1
 
     def __getitem__(self, index: int) -> Dict[str, Any]:
         k = self.source_of(index)
-        sample = self.datasets[k][int(index - self.offsets[k])]
+        sample = self.datasets[k][index - self._starts[k]]
         if not isinstance(sample, Mapping):
             raise TypeError(f"data.sources.{self.names[k]}: a blend's samples are dicts of tensors "
                             f"(got {type(sample).__name__})")
-        return {**sample, "source": torch.tensor(k, dtype=torch.long)}
+        return {**sample, "source": self._ids[k]}
 
     def collate(self, samples: List[Dict[str, Any]]) -> Dict[str, Any]:
         source = torch.stack([s["source"] for s in samples])
@@ -169,6 +172,10 @@ class BlendPlan:
         self.seed, self.shuffle, self.allow_change = seed, shuffle, allow_change
         self.num_samples = len(blend_set)
         self.drop_last = False
+        # The last steps' samples and the sources' epochs in use: the sampler and the loop both ask for a step's
+        # window, and a source's epoch serves many steps.
+        self._steps: Dict[int, np.ndarray] = {}
+        self._orders: Dict[tuple, SampleOrder] = {}
 
     @classmethod
     def for_config(cls, blend_set: Blend, cfg: Config, plan: BatchPlan, rank: int) -> "BlendPlan":
@@ -186,11 +193,23 @@ class BlendPlan:
 
     def source_epoch(self, k: int, epoch: int) -> SampleOrder:
         """Source k's order in its own epoch ``epoch``: keyed by (seed, its name, epoch)."""
-        key = hash_key(self.seed, "blend", self.blend.names[k], epoch) if self.shuffle else None
-        return SampleOrder(self.blend.lengths[k], key)
+        order = self._orders.get((k, epoch))
+        if order is None:
+            if len(self._orders) > 4 * len(self.blend.names):
+                self._orders.clear()
+            key = hash_key(self.seed, "blend", self.blend.names[k], epoch) if self.shuffle else None
+            order = self._orders[(k, epoch)] = SampleOrder(self.blend.lengths[k], key)
+        return order
 
     def step_samples(self, step: int) -> np.ndarray:
         """The global batch of optimizer step ``step`` (1 the first): blend indices, position by position."""
+        if step not in self._steps:
+            if len(self._steps) >= 8:
+                self._steps.pop(min(self._steps))
+            self._steps[step] = self._step_samples(step)
+        return self._steps[step]
+
+    def _step_samples(self, step: int) -> np.ndarray:
         counts, taken = self.mixture.counts(step), self.mixture.taken(step - 1)
         parts = []
         for k, (count, before) in enumerate(zip(counts, taken)):
