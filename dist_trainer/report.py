@@ -1,7 +1,7 @@
 """Plots and a text summary of a run: ``python -m dist_trainer.report RUN_DIR [--out DIR]``.
 
-Reads RUN_DIR/metrics.jsonl and writes loss.png, lr.png, loss_scale.png,
-throughput.png, ranks.png (the slowest and fastest rank's data wait and
+Reads RUN_DIR/metrics.jsonl and writes loss.png (each source's loss too under data=blend), lr.png,
+loss_scale.png, throughput.png, ranks.png (the slowest and fastest rank's data wait and
 compute), overview.png (all five) and summary.txt into
 RUN_DIR/report/ (or --out). Plotting needs matplotlib (``pip install matplotlib``
 or ``pip install 'dist_trainer[report]'``); it is imported only when plotting.
@@ -86,6 +86,9 @@ def format_summary(s: Record) -> str:
 
 def draw_loss(ax, records: Sequence[Record]) -> None:
     ax.plot(*series(records, "loss"), label="train loss")
+    sources = dict.fromkeys(k for r in records for k in r if k.startswith("source_loss."))
+    for key in sources:  # data=blend: each source's token-weighted loss of the step
+        ax.plot(*series(records, key), linewidth=0.8, label=f"{key.removeprefix('source_loss.')} (source)")
     eval_steps, eval_losses = series(records, "eval_loss")
     if eval_steps:
         ax.plot(eval_steps, eval_losses, "o", color="tab:orange", label="eval loss")

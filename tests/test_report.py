@@ -158,3 +158,17 @@ def test_missing_matplotlib_says_how_to_install(tmp_path):
     proc = _run(["-c", code, str(tmp_path)], cwd=tmp_path, timeout=60)
     assert proc.returncode != 0
     assert "pip install matplotlib" in proc.stderr, proc.stderr
+
+
+def test_the_loss_panel_draws_each_source_of_a_blend():
+    _require_matplotlib()
+    from matplotlib.figure import Figure
+
+    from dist_trainer.report import draw_loss
+
+    records = [{"step": s, "loss": 3.0, "source_loss.web": 2.5, "source_loss.code": 4.0 if s > 1 else None}
+               for s in range(1, 4)]
+    ax = Figure().add_subplot()
+    draw_loss(ax, records)
+    assert [line.get_label() for line in ax.get_lines()] == ["train loss", "web (source)", "code (source)"]
+    assert list(ax.get_lines()[2].get_xdata()) == [2, 3]  # a step where the source had no tokens is left out
