@@ -24,7 +24,7 @@ from .checkpoint import background
 from .compiling import CompileWatch, eager_eval
 from .config import BatchPlan, Config, ConfigError, logger_names
 from .data import StepPlan, TrainLoader, build_dataset, eval_loader, plan_for
-from .data.blend import source_figures
+from .data.blend import Blend, source_figures
 from .distributed import DistEnv
 from .final import save_final_model
 from .finder import find_micro_batch_size, largest_divisor_at_most, model_trial
@@ -67,6 +67,15 @@ def evaluate(model: nn.Module, loader: Any, precision: Precision, device: torch.
 
     ``context``: the strategy's evaluation context (fsdp reshards what eval left gathered).
     """
+    loss_sum, items = eval_totals(model, loader, precision, device, compiled, context, pipeline)
+    return loss_sum / items if items else float("nan")
+
+
+@torch.no_grad()
+def eval_totals(model: nn.Module, loader: Any, precision: Precision, device: torch.device,
+                compiled: bool = False, context: Callable[[], Any] = nullcontext,
+                pipeline: Optional[Callable[..., Any]] = None) -> tuple[float, float]:
+    """(summed loss, items) over the held-out batches of all ranks: ``evaluate``'s sums."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     with context():
@@ -80,7 +89,18 @@ def evaluate(model: nn.Module, loader: Any, precision: Precision, device: torch.
                 totals += torch.stack([loss_sum.double(), items.double().to(device)])
     dist.all_reduce(totals)  # every rank calls it, even one with no eval batches
     model.train()
-    return (totals[0] / totals[1]).item()
+    loss_sum, items = totals.tolist()
+    return loss_sum, items
+
+
+def eval_figures(evals: Dict[str, Any], totals_of: Callable[[Any], tuple[float, float]]) -> Dict[str, float]:
+    """``eval_loss`` over every loader's items; with a blend's sources (name -> loader), each one's
+    ``eval_loss.NAME`` too (token-weighted, its own held-out data)."""
+    sums = {name: totals_of(loader) for name, loader in evals.items()}  # in order: every rank the same
+    loss_sum, items = sum(s for s, _ in sums.values()), sum(n for _, n in sums.values())
+    record = {"eval_loss": loss_sum / items if items else float("nan")}
+    record.update({f"eval_loss.{name}": (s / n if n else float("nan")) for name, (s, n) in sums.items() if name})
+    return record
 
 
 def startup_report(plan: BatchPlan, env: DistEnv, cfg: Config, model: nn.Module,
@@ -440,9 +460,12 @@ def _loop(cfg: Config, parts: Parts, position: Position, outputs: Outputs, stop:
     pin = env.device.type == "cuda"
     # Not "eval_set and loader": a DataLoader with no batches is falsy, and a rank left
     # without held-out samples must still join evaluate()'s all-reduce.
+    # A blend's held-out data: each source's own (eval_loss.NAME), the first eval_batches of each.
+    held_out = {"": eval_set} if not isinstance(eval_set, Blend) else dict(zip(eval_set.names, eval_set.datasets))
     evals = (None if eval_set is None else
-             eval_loader(eval_set, plan.micro_batch_size, tcfg.eval_batches, plan.mesh.data_rank(env.rank),
-                         plan.data_ranks, num_workers, lockstep=plan.mesh.ep > 1 or plan.mesh.cuts_model))
+             {name: eval_loader(held, plan.micro_batch_size, tcfg.eval_batches, plan.mesh.data_rank(env.rank),
+                                plan.data_ranks, num_workers, lockstep=plan.mesh.ep > 1 or plan.mesh.cuts_model)
+              for name, held in held_out.items()})
     # One loader for the run: with data.num_workers > 0 its workers start once and serve every epoch.
     loader = TrainLoader(parts.train_set, parts.step_plan, num_workers, pin, cfg.data.get("prefetch_factor"))
     compiles = CompileWatch(tcfg.compile, env.is_main)
@@ -474,9 +497,9 @@ def _loop(cfg: Config, parts: Parts, position: Position, outputs: Outputs, stop:
             last = step == plan.max_steps
             if evals is not None and ((tcfg.eval_every and step % tcfg.eval_every == 0) or last):
                 watch.begin("eval", step)
-                record["eval_loss"] = evaluate(trainer.module, evals, trainer.precision, env.device, tcfg.compile,
-                                               trainer.strategy.evaluation,
-                                               getattr(trainer.strategy, "eval_window", None))
+                record.update(eval_figures(evals, lambda held: eval_totals(
+                    trainer.module, held, trainer.precision, env.device, tcfg.compile, trainer.strategy.evaluation,
+                    getattr(trainer.strategy, "eval_window", None))))
             if publisher.due(step, last):  # rl.publish: the inference server gets this step's weights
                 watch.begin("publish", step)
                 record["publish_s"] = publisher.publish(step)

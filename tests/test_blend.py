@@ -45,7 +45,7 @@ def files(tmp_path_factory) -> Path:
     for name, samples in (("web", WEB), ("code", CODE)):
         rng.integers(0, 256, size=samples * BLOCK + 1).astype(np.uint16).tofile(root / f"{name}.bin")
     with open(root / "notes.jsonl", "w") as f:
-        for i in range(12):
+        for i in range(40):
             f.write(json.dumps({"text": f"note {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 3)})
                     + "\n")
     build_dataset(blend_config(root, 10).data)  # the text source's cache, once: every run here reuses it
@@ -53,16 +53,19 @@ def files(tmp_path_factory) -> Path:
 
 
 def blend_config(root: Path, micro: int, steps: int = STEPS, notes_weight=0.2, **data) -> Config:
-    sources = {"web": {"kind": "tokens", "path": str(root / "web.bin"), "weight": 0.5},
+    # held out: web's val_path (code's file will do) and a quarter of the notes; code has none
+    sources = {"web": {"kind": "tokens", "path": str(root / "web.bin"), "weight": 0.5,
+                       "val_path": str(root / "code.bin")},
                "code": {"kind": "tokens", "path": str(root / "code.bin"), "weight": 0.3},
                "notes": {"kind": "hf_text", "files": [str(root / "notes.jsonl")], "weight": notes_weight,
-                         "cache_dir": str(root / "cache")}}
+                         "cache_dir": str(root / "cache"), "val_fraction": 0.25}}
     return Config(
         model={"_target_": "dist_trainer.models.GPT", "vocab_size": VOCAB, "block_size": BLOCK, "n_layer": 1,
                "n_head": 2, "n_embd": 16, "dropout": 0.0,
                "bias": False},  # a key bias has no gradient but rounding, which AdamW blows up to its lr
         data={"_target_": "dist_trainer.data.blend.blend", "sources": sources, "block_size": BLOCK,
-              "tokenizer": "bytes", "vocab_size": VOCAB, "seed": 0, "blend": {"allow_change": False}, **data},
+              "tokenizer": "bytes", "vocab_size": VOCAB, "seed": 0, "split": "train", "blend": {"allow_change": False},
+              **data},
         batch=BatchConfig(micro_batch_size=micro, global_batch_size=GLOBAL),
         precision=PrecisionConfig(name="fp32"),
         optim=OptimConfig(name="adamw", lr=3e-3, warmup_steps=0, schedule="constant", grad_clip=None),
@@ -266,7 +269,7 @@ def test_every_global_batch_holds_the_same_samples_on_one_process_and_two_ranks(
         assert per_source == expect.mixture.counts(s + 1)  # the batch's own source column agrees
 
 
-def test_final_weights_and_per_source_figures_match_one_process(runs):
+def test_final_weights_and_per_source_figures_match_one_process(runs, files):
     _, _, out = runs
     # 2 ranks x 5 micro-batches to step 6, its checkpoint resumed by 1 process to step 9: the 1-process weights
     one, two = _final(out / "straight1"), _final(out / "resumed2")
@@ -287,6 +290,14 @@ def test_final_weights_and_per_source_figures_match_one_process(runs):
     notes = [r["source_tokens.notes"] // BLOCK for r in m1]  # the schedule: 0.2 at step 1, 0.5 (of 1.3) from 6
     share = [x / (0.8 + x) for x in (0.2 + 0.3 * min(s - 1, 5) / 5 for s in range(1, STEPS + 1))]
     assert notes[0] == 2 and abs(sum(notes) - GLOBAL * sum(share)) < 1 and sum(notes) > 2 * STEPS + 6
+    # evaluation at the last step, of each source with held-out data on its own; eval_loss over all their tokens
+    held = build_dataset(blend_config(files, 10).data, split="val")
+    assert held.names == ["web", "notes"] and "eval_loss.code" not in m1[-1]
+    tokens = [min(n, 10 * 10) * BLOCK for n in held.lengths]  # trainer.eval_batches=10 micro-batches of 10 a rank
+    losses = [m1[-1]["eval_loss.web"], m1[-1]["eval_loss.notes"]]
+    assert m1[-1]["eval_loss"] == pytest.approx(sum(t * x for t, x in zip(tokens, losses)) / sum(tokens), rel=1e-9)
+    assert losses[0] != losses[1]
+    assert m2[-1]["eval_loss.notes"] == pytest.approx(losses[1], rel=1e-5)
     plan = json.loads((out / "straight1" / "plan.json").read_text())
     assert m1[1]["step_allreduce_bytes"] == plan["step"]["step_allreduce_bytes"]  # the sources' slots, predicted
     assert m1[0]["step_allreduce_bytes"] == plan["first_step"]["step_allreduce_bytes"]

@@ -80,10 +80,16 @@ def _source_key(name: str) -> Callable[[str], str]:
     return rename
 
 
-def _build_source(name: str, node: Dict[str, Any], shared: Dict[str, Any]) -> Dataset:
+def _build_source(name: str, node: Dict[str, Any], shared: Dict[str, Any], split: str) -> Optional[Dataset]:
+    """Source ``name``'s dataset of ``split``; for val, None where it holds nothing out (a custom source is asked
+    for val only if its node has a ``split`` key, as data=custom is)."""
     kind = node["kind"]
     target = node["_target_"] if kind == "custom" else TARGETS[kind]
     kwargs = {k: v for k, v in node.items() if k not in SOURCE_KEYS}
+    if kind != "custom" or "split" in node:
+        kwargs["split"] = split
+    elif split == "val":
+        return None
     if kind == "tokens":
         kwargs.update({k: shared[k] for k in ("block_size", "vocab_size") if k in shared})
     elif kind in ("hf_text", "hf_chat"):
@@ -99,6 +105,8 @@ def _build_source(name: str, node: Dict[str, Any], shared: Dict[str, Any]) -> Da
         raise ConfigError(f"data.sources.{name}: {cause or err}") from err
     except ConfigError as err:
         raise ConfigError(_source_key(name)(str(err))) from None
+    if dataset is None and split == "val":
+        return None
     if dataset is None or not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
         raise ConfigError(f"data.sources.{name}: kind={kind} gave no map-style Dataset")
     if len(dataset) < 1:
@@ -143,14 +151,16 @@ def blend(sources: Dict[str, Any], block_size: int, tokenizer: str = "bytes", vo
           split: str = "train") -> Optional[Blend]:
     """The ``data=blend`` dataset: every source built with the shared keys, their vocabularies compared.
 
-    ``blend`` (data.blend.*) is the loader's and the resume's, read from the config there; ``split=val``: none
-    yet (a blend's sources are trained on; evaluation per source is not built)."""
-    if split == "val":
-        return None
+    ``blend`` (data.blend.*) is the loader's and the resume's, read from the config there. ``split=val``: the
+    sources that hold data out (a token source's ``val_path``, a text source's ``val_fraction``), each evaluated on
+    its own (``eval_loss.NAME``); None if none does."""
     shared = {"block_size": block_size, "tokenizer": tokenizer, "vocab_size": vocab_size, "task": task, "seed": seed}
     nodes = sources_of({"sources": sources})
-    datasets = [_build_source(name, node, shared) for name, node in nodes.items()]
-    names = list(nodes)
+    built = {name: _build_source(name, node, shared, split) for name, node in nodes.items()}
+    nodes = {name: node for name, node in nodes.items() if built[name] is not None}
+    if not nodes:
+        return None
+    names, datasets = list(nodes), [built[name] for name in nodes]
     _check_vocabularies(names, datasets, vocab_size)
     keys = [set(d[0]) if isinstance(d[0], Mapping) else None for d in datasets]
     for name, k in zip(names[1:], keys[1:]):
