@@ -166,6 +166,24 @@ def test_a_resume_names_what_changed_in_the_blend():
         assert got[0] == key and why in got[1], (key, got)
 
 
+def test_the_models_per_row_sums_add_up_to_their_loss():
+    """The per-source loss reads each row's sums: the built-in GPT's and a Hugging Face model's token loss."""
+    from dist_trainer.models import GPT
+    from dist_trainer.models.hf import token_loss
+
+    torch.manual_seed(0)
+    logits, targets = torch.randn(3, 7, 11), torch.randint(0, 11, (3, 7))
+    targets[0, :4], targets[2] = -100, -100  # a row with no counted target at all
+    for per_row, whole in ((GPT.sample_loss_terms(logits, targets), GPT.loss_terms(logits, targets)),
+                           (token_loss(logits, targets, per_sample=True), token_loss(logits, targets))):
+        assert per_row["sample_items"].tolist() == [3, 7, 0] and int(per_row["num_items"]) == 10
+        assert per_row["sample_loss_sum"][2] == 0
+        assert torch.allclose(per_row["loss_sum"], whole["loss_sum"], rtol=1e-6)
+        assert torch.allclose(per_row["sample_loss_sum"].sum(), whole["loss_sum"], rtol=1e-6)
+        one = torch.nn.functional.cross_entropy(logits[1], targets[1], reduction="sum")
+        assert torch.allclose(per_row["sample_loss_sum"][1], one, rtol=1e-6)
+
+
 @pytest.mark.parametrize("key,value,message", [
     ("web.weight", -1, "data.sources.web.weight=-1"),
     ("web.weight", [[3, 0.5], [2, 0.1]], "data.sources.web.weight[1]"),

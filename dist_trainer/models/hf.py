@@ -31,6 +31,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..config import ConfigError
 from ..moe import Routing, inactive_params
@@ -200,7 +201,8 @@ class HFModel(nn.Module):
         labels = self._labels(batch)
         if self.task == "causal_lm" and "targets" not in batch:
             logits, labels = logits[:, :-1], labels[:, 1:]  # position t predicts token t + 1
-        return token_loss(logits, labels)
+        # data=blend: each row's sums too, for the per-source figures (not on a vocabulary-sharded head's logits)
+        return token_loss(logits, labels, per_sample="source" in batch and not isinstance(logits, DTensor))
 
     def answer_logps(self, batch: Mapping[str, torch.Tensor], body: Optional[nn.Module] = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -362,8 +364,15 @@ def _context_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
     return module.context(query, key, value, scale=scaling).transpose(1, 2).contiguous(), None
 
 
-def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> Dict[str, torch.Tensor]:
-    """Cross-entropy summed in FP32 over the labels that are not -100, and their number."""
+def token_loss(logits: torch.Tensor, labels: torch.Tensor, per_sample: bool = False) -> Dict[str, torch.Tensor]:
+    """Cross-entropy summed in FP32 over the labels that are not -100, and their number; ``per_sample``: each
+    row's sum and count beside them (``sample_loss_sum``, ``sample_items``: a blend's per-source figures)."""
+    if per_sample:
+        rows = F.cross_entropy(logits.reshape(labels.numel(), -1).float(), labels.reshape(-1),
+                               ignore_index=IGNORE_INDEX, reduction="none").view(labels.shape[0], -1).sum(dim=1)
+        counted = (labels != IGNORE_INDEX).reshape(labels.shape[0], -1).sum(dim=1)
+        return {"loss_sum": rows.sum(), "num_items": counted.sum(), "sample_loss_sum": rows.detach(),
+                "sample_items": counted}
     labels = labels.reshape(-1)
     loss_sum = F.cross_entropy(logits.reshape(labels.numel(), -1).float(), labels, ignore_index=IGNORE_INDEX,
                                reduction="sum")
