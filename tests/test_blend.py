@@ -12,6 +12,7 @@ blend on resume is refused naming the key, and goes on with data.blend.allow_cha
 
 from __future__ import annotations
 
+import importlib
 import json
 import random
 import shutil
@@ -218,6 +219,37 @@ def test_sources_that_disagree_are_refused(files, tmp_path):
     with pytest.raises(ConfigError, match=r"data\.sources: the sources' tokenizers differ \(code: gpt2.json, "
                                           r"notes: bytes\)"):
         build_dataset(cfg.data)
+
+
+def _composed(overrides: list) -> Config:
+    """The config the command line composes (Hydra's group files and overrides, as dist_trainer.cli does)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    importlib.import_module("dist_trainer.cli")  # the schema and the resolvers the group files use
+
+    conf = Path(__file__).resolve().parents[1] / "dist_trainer" / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base=None):
+        return OmegaConf.to_object(compose(config_name="config", overrides=overrides))
+
+
+def test_the_command_line_composes_a_blend_and_plan_mode_prints_it(files):
+    """data=blend with the overrides the docs write (in this process, as the CLI composes them): plan mode's
+    lines; a bad weight named."""
+    sources = (f"+data.sources={{web:{{kind:tokens,path:{files}/web.bin,weight:0.5}},"
+               f"code:{{kind:tokens,path:{files}/code.bin,weight:0.3}},"
+               f"notes:{{kind:hf_text,files:[{files}/notes.jsonl],cache_dir:{files}/cache,weight:[[1,0.2],[6,0.5]]}}}}")
+    common = ["data=blend", sources, f"data.block_size={BLOCK}", f"model.vocab_size={VOCAB}", "model.n_layer=1",
+              "model.n_embd=16", "model.n_head=2", f"batch.global_batch_size={GLOBAL}", "batch.micro_batch_size=5",
+              "trainer.max_steps=20"]
+    from dist_trainer.plan import plan_report
+
+    report = plan_report(_composed(common), 2)
+    assert "blend of 3 sources, 10 samples a step" in report
+    assert f"code (tokens, {CODE} samples): weight 0.3, 2-3 samples a step" in report
+    assert "notes (hf_text" in report and "weight 0.2@1 -> 0.5@6" in report
+    with pytest.raises(ConfigError, match=r"data\.sources\.code\.weight=-0\.3"):
+        plan_report(_composed([common[0], sources.replace("weight:0.3", "weight:-0.3"), *common[2:]]), 2)
 
 
 # --------------------------------------------------------------------------- real ranks
