@@ -201,6 +201,21 @@ def test_bad_keys_are_named(files, key, value, message):
     assert message in str(err.value)
 
 
+def test_a_custom_source_is_any_callable(files):
+    """kind=custom: _target_ and its own keys; asked for held-out data only if its node has a split key."""
+    data = {"_target_": "dist_trainer.data.blend.blend", "block_size": BLOCK, "seed": 0,
+            "sources": {"a": {"kind": "custom", "_target_": "dist_trainer.data.builtin.regression", "n": 7,
+                              "weight": 0.25},
+                        "b": {"kind": "custom", "_target_": "dist_trainer.data.builtin.regression", "n": 5,
+                              "seed": 3, "weight": 0.75}}}
+    blend = build_dataset(data)
+    assert blend.names == ["a", "b"] and blend.lengths == [7, 5] and len(blend) == 12
+    sample = blend[8]  # b's sample 1
+    assert int(sample["source"]) == 1 and torch.equal(sample["x"], blend.datasets[1][1]["x"])
+    assert set(blend.collate([blend[0], blend[8]])) == {"x", "y", "use_branch", "source"}
+    assert build_dataset(data, split="val") is None  # neither has a split key: no evaluation
+
+
 def test_sources_that_disagree_are_refused(files, tmp_path):
     cfg = blend_config(files, 10)
     cfg.data["sources"]["web"]["path"] = str(tmp_path / "missing.bin")

@@ -44,8 +44,10 @@ Window = List[List[int]]
 def build_dataset(node: Dict[str, Any], **overrides: Any) -> Dataset:
     kwargs = {k: v for k, v in node.items() if k not in LOADER_KEYS and k != "_target_"}
     kwargs.update(overrides)
+    # data=blend builds its sources itself: a custom source's _target_ is its own, not for Hydra to call here
+    recursive = node["_target_"] != "dist_trainer.data.blend.blend"
     try:
-        dataset = instantiate({"_target_": node["_target_"]}, **kwargs, _convert_="all")
+        dataset = instantiate({"_target_": node["_target_"]}, **kwargs, _convert_="all", _recursive_=recursive)
     except InstantiationException as err:
         if isinstance(err.__cause__, ConfigError):  # the dataset's own check, naming the key: as it is
             raise err.__cause__ from None

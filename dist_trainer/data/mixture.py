@@ -186,10 +186,10 @@ def sources_of(data: Mapping[str, Any]) -> Dict[str, Dict[str, Any]]:
         else:
             require(target is None, f"{key}._target_", target, f"kind={kind} builds its own dataset; use "
                     "kind=custom to name a callable")
-        for shared in SHARED_KEYS:
+        for shared in SHARED_KEYS if kind != "custom" else ():  # a custom source's keys are all its own
             require(shared not in node, f"{key}.{shared}", node.get(shared),
-                    f"is shared by every source: set data.{shared} (sources with different vocabularies or "
-                    "block sizes cannot be mixed in one batch)")
+                    f"is shared by every built-in source: set data.{shared}"
+                    + (" (a batch mixes samples of one vocabulary and length)" if shared != "seed" else ""))
         out[name] = dict(node)
     return out
 
