@@ -13,10 +13,14 @@ weights are normalised to sum 1, and the global batch of ``G`` samples is apport
     carry_k = quota_k - count_k
 
 so every step holds exactly ``G`` samples, and the carries sum to zero: a source's count over steps 1..s
-differs from ``G * (w_k(1) + ... + w_k(s))`` by its carry, less than one sample while every weight is either
-0 or at least 1 / G (tests/test_blend.py checks schedules that go through smaller weights too). The
-rounding is sequential, so a source's position at step s is a function of the step (replayed from step 1 at a
-resume, microseconds a step); a checkpoint also holds it, a resume checks the two agree, and with
+differs from ``G * (w_k(1) + ... + w_k(s))`` by its carry. With every weight at least 1 / G the quotas are
+positive and this is the largest-remainder rule, so each carry stays within (-1, 1); with weights of exactly 0
+too it stayed below 1 on random schedules (tests/test_blend.py; 0.87 at worst in 3,000 more, not proven). A
+weight between 0 and 1 / G can overshoot it by a fraction of a sample (1.04 seen): a source cannot be given
+less than nothing in a step. (Weights here are the normalised ones.)
+
+The rounding is sequential, so a source's position at step s is a function of the step (replayed from step 1 at
+a resume, microseconds a step); a checkpoint also holds it, a resume checks the two agree, and with
 ``data.blend.allow_change=true`` continues from the saved positions with the new weights.
 """
 
