@@ -194,6 +194,9 @@ def check_data(cfg: Config) -> None:
             "must be true or false")
     workers = data.get("num_workers", 0)
     require(isinstance(workers, int) and workers >= 0, "data.num_workers", workers, "must be an integer >= 0")
+    require(not data.get("streaming"), "data.streaming", data.get("streaming"),
+            "is not built yet: hf_text and hf_chat tokenize once into their cache (python -m dist_trainer.prepare "
+            "writes token files for data=tokens or a blend's kind=tokens sources)")
     prefetch = data.get("prefetch_factor")
     require(prefetch is None or (isinstance(prefetch, int) and prefetch >= 1), "data.prefetch_factor", prefetch,
             "must be null (2 per worker) or an integer >= 1 (micro-batches each DataLoader worker keeps ready)")

@@ -185,6 +185,12 @@ def test_the_models_per_row_sums_add_up_to_their_loss():
         assert torch.allclose(per_row["sample_loss_sum"][1], one, rtol=1e-6)
 
 
+def test_streaming_is_refused_naming_the_key(files):
+    cfg = blend_config(files, 10, streaming=True)
+    with pytest.raises(ConfigError, match=r"data\.streaming=True: is not built yet"):
+        validate(cfg, 1)
+
+
 @pytest.mark.parametrize("key,value,message", [
     ("web.weight", -1, "data.sources.web.weight=-1"),
     ("web.weight", [[3, 0.5], [2, 0.1]], "data.sources.web.weight[1]"),
