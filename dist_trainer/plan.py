@@ -9,9 +9,9 @@ them exactly (tests hold them to it).
 
 This module composes; each feature keeps its own plan part beside its runtime code (``parallel/dp_plan``,
 ``moe/ep_plan``, ``parallel/pp_plan``, ``parallel/tp_plan``, ``fp8_plan``, ``parallel/cp_plan``,
-``optim/plan``, ``checkpoint/plan``, ``model_plan``). Every number is built on one path, over the stage groups
-(``stage_groups``; no pipeline: one group holding the whole model), by the wings of ``STEP`` and ``DIMS`` in
-their order.
+``optim/plan``, ``checkpoint/plan``, ``model_plan``, ``data/mixture``: a blend's lines and its slots). Every
+number is built on one path, over the stage groups (``stage_groups``; no pipeline: one group holding the whole
+model), by the wings of ``STEP`` and ``DIMS`` in their order.
 """
 
 from __future__ import annotations
