@@ -302,3 +302,21 @@ def test_the_arithmetic_set_holds_out_its_questions_and_evaluate_measures_a_mode
     assert result["answer_tokens"] == sum(int(data.conversation(i)[1].sum()) for i in range(len(data)))
     assert abs(result["answer_loss"] - math.log(261)) < 0.5  # a random model: about ln(vocabulary)
     assert result["exact_match"] == 0.0
+
+
+def test_the_arithmetic_prompts_are_the_conversations_up_to_their_last_answer(tmp_path):
+    """--prompts: each record is its conversation before the last answer, with that answer, and data=hf_prompts
+    reads them (task=grpo's example, docs/post_training.md)."""
+    from dist_trainer.arithmetic import write
+    from dist_trainer.data.hf_prompts import hf_prompts
+
+    write(tmp_path, train=40, test=8, largest=30, seed=0, prompts=True)
+    read = {name: [json.loads(line) for line in (tmp_path / f"{name}.jsonl").open()]
+            for name in ("train", "test", "train_prompts", "test_prompts")}
+    for name in ("train", "test"):
+        assert [p["prompt"] + [{"role": "assistant", "content": p["answer"]}] for p in read[f"{name}_prompts"]] == \
+            [c["messages"] for c in read[name]]
+    # a second turn: the first answer stays in the prompt, the doubled sum is the answer
+    assert any(p["prompt"][-1]["content"] == "And doubled?" for p in read["train_prompts"])
+    data = hf_prompts([str(tmp_path / "train_prompts.jsonl")], group_size=2, cache_dir=str(tmp_path / "c"))
+    assert len(data) == 80 and data.records == read["train_prompts"]
