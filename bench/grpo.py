@@ -1,7 +1,7 @@
 """GRPO on the arithmetic questions: reward over the run, held-out exact match before and after, time per step.
 
     python bench/grpo.py runs/arith-full/hf_model          # 8 prompts x 8 completions, lr 2e-5, 100 steps
-    python bench/grpo.py runs/arith-full/hf_model --prompts-per-step 32 --lr 3e-5 --steps 60 --set rl.kl.coef=0.05
+    python bench/grpo.py runs/arith-full/hf_model --prompts-per-step 32 --lr 3e-5 --steps 60
 
 MODEL_DIR is the fine-tuned arithmetic model of docs/huggingface.md ("Fine-tuning on conversations"),
 a Hugging Face directory with its tokenizer. The script
@@ -16,7 +16,8 @@ a Hugging Face directory with its tokenizer. The script
    sampling at the temperature, one AdamW update per rollout, constant lr);
 4. measures the run's ``hf_model/`` the same way, and prints the reward curve (each step's mean reward: the
    share of its completions that are exactly right, in blocks), the exact matches before and after, and the
-   median seconds per step split into sampling (gen_s), rewarding (score_s) and the update (train_s).
+   median seconds per step split into sampling (gen_s), rewarding (score_s) and the forward and backward
+   (train_s).
 
 Everything is written under --out (default: a temporary directory), the run in OUT/run.
 """
