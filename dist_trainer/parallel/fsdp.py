@@ -144,8 +144,12 @@ class _CountingReduceScatter(DefaultReduceScatter):
         self.counter.last_reduce_scatter = time.perf_counter()
         self.counter.counts["reduce_scatter_bytes"] += input_tensor.numel() * input_tensor.element_size()
         self.counter.meter.sample(input_tensor)
-        work = super().__call__(output_tensor, input_tensor, group, op, async_op)
-        if not async_op and input_tensor.device.type == "cpu":
+        on_cpu = input_tensor.device.type == "cpu"
+        if on_cpu and not async_op and op in (dist.ReduceOp.AVG, dist.ReduceOp.SUM):
+            work = reduce_scatter_in_place(output_tensor, input_tensor, group, op)
+        else:
+            work = super().__call__(output_tensor, input_tensor, group, op, async_op)
+        if not async_op and on_cpu:
             # The input is a copy of the unit's whole gradient. FSDP keeps it until the next unit's
             # reduce-scatter (reduce_scatter_states: so that a GPU's caching allocator cannot hand its block to
             # another stream while the collective may still read it). On CPU the collective has finished when
@@ -153,6 +157,24 @@ class _CountingReduceScatter(DefaultReduceScatter):
             # ranks that was a tenth of an 8-layer model held at the backward's peak.
             input_tensor.untyped_storage().resize_(0)
         return work
+
+
+def reduce_scatter_in_place(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
+                            op: dist.ReduceOp) -> None:
+    """gloo's reduce-scatter, without its copy of the input: the input all-reduced in place, this rank's part
+    copied out (and divided, for AVG).
+
+    gloo reduce-scatters by all-reducing a copy of its input and dividing it: a whole unit's gradient more, plus
+    the output, at the moment the backward holds the most (measured on 2 ranks: 36 MiB for a 24 MiB input, 2 MiB
+    this way). FSDP's input is a buffer of its own, which it frees after the call, so it may be overwritten. The
+    same all-reduce runs, so the result is bit-equal to gloo's (checked on 2 and 4 ranks, SUM and AVG) and the
+    bytes on the wire are the same.
+    """
+    dist.all_reduce(input, op=dist.ReduceOp.SUM, group=group)
+    world = dist.get_world_size(group)
+    output.copy_(input.view(world, -1)[dist.get_rank(group)])
+    if op == dist.ReduceOp.AVG:
+        output.div_(world)
 
 
 class ShardedWeights:
