@@ -58,6 +58,7 @@ from .comm import COMM_KEYS
 from .dcp import checkpointed, dcp_checkpoint_state, dcp_load_checkpoint_state  # noqa: F401 (pp imports it here)
 from .parallelize import parallelize
 from .state import WholeTensors, local_tensor, parameter_ties
+from .tied_head import TiedHeadReduction, tied_head
 from .tp import tp_sharded
 
 
@@ -268,6 +269,19 @@ def set_prefetch(blocks: List[nn.Module], units: List[nn.Module], ahead: int) ->
         block.set_modules_to_backward_prefetch(list(reversed(blocks[max(i - ahead, 0):i])))
 
 
+def tied_reduction(model: nn.Module, blocks: List[nn.Module], mesh: MeshShape, device_type: str, compile: bool,
+                   dmesh: DeviceMesh, counts: Dict[str, int]) -> Optional[TiedHeadReduction]:
+    """The tied head's own reduction (parallel/tied_head.py) where it applies, else None."""
+    head = tied_head(model, blocks, mesh, device_type, compile)
+    if head is None:
+        return None
+    weight = head.weight  # the sharded parameter, until a forward sets the gathered one
+    fsdp_param = next(fp for group in _param_groups(model) for fp in group.fsdp_params if fp.sharded_param is weight)
+    if mesh.replicate == 1:
+        return TiedHeadReduction(head, fsdp_param, dmesh.get_group(), None, counts)
+    return TiedHeadReduction(head, fsdp_param, dmesh.get_group("shard"), dmesh.get_group("replicate"), counts)
+
+
 class FrozenShards:
     """A frozen model sharded over ``dmesh`` as the fsdp strategy shards its own (each block a unit, then the
     root), for forward passes without gradients (rl.reference=copy): each unit gathered when it runs and freed
@@ -322,6 +336,7 @@ class FSDPStrategy:
         self.units: List[FSDPModule] = [m for m in model.modules() if isinstance(m, FSDPModule)]
         set_prefetch(blocks, self.units, cfg.fsdp.prefetch)
         self.meter, self.counter = count_units(self.units, mesh.replicate, one_dim=expert_units)
+        self.tied = tied_reduction(model, blocks, mesh, env.device.type, compile, dmesh, self.counter.counts)
         if cfg.find_unused_parameters:
             # A parameter some rank did not use still takes part (with zeros) in the reduce-scatter.
             model.set_reduce_scatter_unused_params(True)
@@ -356,7 +371,12 @@ class FSDPStrategy:
             self.root.set_requires_all_reduce(last)  # every: reduce-scatter now, all-reduce replicas once
         if self.reshard == "step":
             self.root.set_reshard_after_backward(last)  # keep every unit gathered until the last backward
+        if self.tied is not None:  # the tied head's part reduced where FSDP's backward reduces (and frees) too
+            self.tied.arm(reduces=last or (self.accum_sync == "every" and self.mesh.replicate == 1),
+                          frees=self.reshard != "step" or last)
         yield
+        if self.tied is not None:
+            self.tied.add_to_gradient()
         self.meter.sample()  # 'last' keeps every unit's unsharded gradient from here to the next micro-batch
         if last:
             self.reshard_all()  # the optimizer steps the shards: the next forward must gather them anew
