@@ -131,6 +131,8 @@ class _CountingAllGather(DefaultAllGather):
         self.counter.counts["all_gathers"] += 1
         self.counter.counts["all_gather_bytes"] += output_tensor.numel() * output_tensor.element_size()
         self.counter.meter.sample(output_tensor)
+        if output_tensor.device.type == "cpu" and not async_op:
+            return all_gather_by_broadcasts(output_tensor, input_tensor, group)
         return super().__call__(output_tensor, input_tensor, group, async_op)
 
 
@@ -158,6 +160,23 @@ class _CountingReduceScatter(DefaultReduceScatter):
             # ranks that was a tenth of an 8-layer model held at the backward's peak.
             input_tensor.untyped_storage().resize_(0)
         return work
+
+
+def all_gather_by_broadcasts(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """gloo's all-gather, without its buffer: each rank broadcasts its part into its place in the output.
+
+    gloo gathers into a buffer of its own and copies it into the output: a unit's gathered size more at every
+    gather (measured on 2 ranks, the output's pages already touched: 24 MiB for a 24 MiB output; 0 this way, and
+    24-26 ms against 77-102 ms for gloo's on the same loaded machine). FSDP2 copies this rank's input into its
+    place in the output already (the input is a view of it); the bytes each rank receives are the same.
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    flat, part = output.view(-1), input.numel()
+    mine = flat.narrow(0, rank * part, part)
+    if mine.data_ptr() != input.data_ptr():
+        mine.copy_(input.view(-1))
+    for src in range(world):
+        dist.broadcast(flat.narrow(0, src * part, part), group=group, group_src=src)
 
 
 def reduce_scatter_in_place(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
