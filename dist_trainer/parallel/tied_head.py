@@ -16,8 +16,8 @@ reductions instead of the reduction of the sum: equal up to rounding. It costs o
 (and, hsdp, one all-reduce of its shard) per backward that reduces, which plan mode counts (``extra_collectives``).
 
 Where: fsdp or hsdp on CPU (host memory is what this is for; CUDA runs keep FSDP's own path, not measured with
-it), without tp, pp, compilation or the chunked loss (which do not call the head module), on a tied weight that
-trains and that the root unit holds.
+it) with shard groups of two ranks or more, without tp, pp, compilation or the chunked loss (which do not call
+the head module), on a tied weight that trains and that the root unit holds.
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ def tied_head(model: nn.Module, blocks: list, mesh: Any, device_type: str, compi
     """The head module whose weight is tied to the embedding and gets its own reduction, or None where the
     rules above leave FSDP's own path: the same answer in plan mode (a meta model) and in the run."""
     chunked = getattr(getattr(model, "loss_options", None), "chunked", False)
-    if mesh.strategy != "fsdp" or mesh.tp > 1 or mesh.pp > 1 or device_type != "cpu" or compile or chunked:
+    # A shard group of one rank gathers nothing: its gathered weight is no second copy to free.
+    if (mesh.strategy != "fsdp" or mesh.shard == 1 or mesh.tp > 1 or mesh.pp > 1 or device_type != "cpu" or compile
+            or chunked):
         return None
     ties = parameter_ties(model)
     if not ties:
