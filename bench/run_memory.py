@@ -1,4 +1,5 @@
-"""Each rank's host memory over a whole run, and what a larger model adds to it, under every mesh on 2 ranks.
+"""Each rank's host memory over a whole run, and what a larger model adds to it, under every mesh on 2 ranks
+(hsdp, and ddp beside it, on 4).
 
     python bench/run_memory.py                      # a 216 MiB and a 5x smaller qwen2, about 10 minutes on 2 cores
     python bench/run_memory.py --sizes 216 1024     # and a 1 GiB one against the 216 MiB one
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -44,7 +46,10 @@ MODES = {
     "fsdp, AdamW": ["dist.strategy=fsdp", "optim=adamw"],
     "tp 2": ["dist.tp.size=2"],
     "fsdp, LoRA": ["dist.strategy=fsdp", "model.lora.r=4"],  # the base frozen and sharded, adapters of rank 4
+    "hsdp 2 x 2": ["dist.strategy=fsdp", "dist.fsdp.shard_size=2"],  # 4 ranks: 2 replicas of 2-rank shard groups
+    "ddp, 4 ranks": [],  # what hsdp is compared with
 }
+RANKS = {"hsdp 2 x 2": 4, "ddp, 4 ranks": 4}  # the others run on 2 ranks; each rank a micro-batch of one
 GIB = str(1 << 30)
 MALLOC = {  # trainer.tune_malloc's two modes, forced by glibc's variables whatever the mesh (dist_trainer/hostmem.py)
     "default": {},  # trainer.tune_malloc=true's own choice: bounded where the model is cut, reuse under ddp
@@ -57,17 +62,19 @@ def model_mb(path: Path) -> float:
     return sum(f.stat().st_size for f in path.glob("*.safetensors")) / 2**20
 
 
-def one_run(root: Path, model: Path, mode: list, malloc: dict, steps: int, tag: str) -> dict:
+def one_run(root: Path, model: Path, mode: list, malloc: dict, steps: int, tag: str, ranks: int = 2) -> dict:
     run_dir = root / "runs" / tag
+    shutil.rmtree(run_dir, ignore_errors=True)  # a run left in a reused --root would resume, finished: no steps
     text = root / "text.txt"
     if not text.exists():
         text.write_text("The quick brown fox jumps over the lazy dog.\n\n" * 200)
     optim = [] if any(a.startswith("optim=") for a in mode) else ["optim=sgd", "optim.momentum=0"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "dist_trainer",
-           "model=hf_causal_lm", f"model.pretrained={model}", "data=hf_text", f"data.files=[{text}]",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "-m",
+           "dist_trainer", "model=hf_causal_lm", f"model.pretrained={model}", "data=hf_text", f"data.files=[{text}]",
            "data.block_size=32", f"data.cache_dir={root / 'cache'}", "batch.micro_batch_size=1",
-           "batch.global_batch_size=2", f"trainer.max_steps={steps}", "trainer.ckpt_every=0", "trainer.device=cpu",
-           "trainer.log_every=1", "trainer.eval_every=0", f"hydra.run.dir={run_dir}", *optim, *mode]
+           f"batch.global_batch_size={ranks}", f"trainer.max_steps={steps}", "trainer.ckpt_every=0",
+           "trainer.device=cpu", "trainer.log_every=1", "trainer.eval_every=0", f"hydra.run.dir={run_dir}", *optim,
+           *mode]
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     env.update(OMP_NUM_THREADS="1", **malloc)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
@@ -76,6 +83,7 @@ def one_run(root: Path, model: Path, mode: list, malloc: dict, steps: int, tag: 
     measured = json.loads((run_dir / "host_memory.json").read_text())
     plan = json.loads((run_dir / "plan.json").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    shutil.rmtree(run_dir)  # its checkpoint and exports: about 1 GB for the 216 MiB model, read and done
     return {"peaks": measured["run_host_peak_mb"], "plan": plan.get("run_host_peak_mb"),
             "step_s": statistics.median(r["step_time_s"] for r in records[1:]) if len(records) > 1 else None}
 
@@ -98,7 +106,8 @@ def main() -> None:
         for mode in args.modes:
             for malloc in args.malloc:
                 got = {p: one_run(root, p, MODES[mode], MALLOC[malloc], args.steps,
-                                  f"{mode}-{malloc}-{p.name}".replace(" ", "_").replace(",", ""))
+                                  f"{mode}-{malloc}-{p.name}".replace(" ", "_").replace(",", ""),
+                                  RANKS.get(mode, 2))
                        for p in (small, large)}
                 ratio = max(b - a for a, b in zip(got[small]["peaks"], got[large]["peaks"])) / (sizes[large] - sizes[small])
                 rows.append((mode, malloc, got[small], got[large], ratio))

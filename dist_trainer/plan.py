@@ -39,6 +39,7 @@ from .optim import plan as optim_plan
 from .parallel import cp_plan, dp_plan, pp_plan, tp_plan
 from .parallel.blocks import find_blocks
 from .parallel.comm import COMM_KEYS as GRADIENT_COMM_KEYS
+from .parallel.dp_plan import runs_on_cpu
 from .parallel.pp_plan import pp_stage_groups
 from .parallel.tp import local_shapes
 from .precision import Precision
@@ -261,11 +262,6 @@ def run_host_peak_mb(cfg: Config, plan: BatchPlan, numbers: Dict[str, Any],
     return hostmem.expected_run_peak_mb(baseline_mb, mode, whole, numbers["load_host_peak_mb"],
                                         numbers["step_peak_state_mb"] + frozen, numbers["activation_mb"] or 0.0,
                                         numbers["state_mb"] + frozen, numbers["export_host_peak_mb"])
-
-
-def runs_on_cpu(cfg: Config) -> bool:
-    """Whether the run this config describes trains on CPU (trainer.device, or auto on a machine without CUDA)."""
-    return cfg.trainer.device == "cpu" or (cfg.trainer.device == "auto" and not torch.cuda.is_available())
 
 
 def _activation_shape(cfg: Config, plan: BatchPlan) -> str:

@@ -110,11 +110,12 @@ def test_through_the_steps_fsdp_adds_about_a_shard_of_the_model_and_less_than_dd
           f"{ {name: round(run['plan']['run_host_peak_mb']) for name, run in runs.items()} }")
     for rank in range(2):
         added = peaks["fsdp"][rank] - peaks["fsdp small"][rank]
-        # A rank's half of the weights and of the gradients (1.0x together), the root's gathered embedding with
-        # its whole gradient (tied to the head: held through the backward), a unit's gathered weights, its
-        # gradient and the reduce-scatter's copy: 1.33-1.45x measured; a heap that kept every freed block
+        # A rank's half of the weights and of the gradients (1.0x together), the heap's holes (0.1x), and at the
+        # backward's end the embedding's gradient with the reduce-scatter's copy of it: 1.24-1.26x measured. Before
+        # the tied head's part was reduced in its own backward (parallel/tied_head.py) and gloo's collectives
+        # lost their copies (parallel/fsdp.py): 1.42-1.44x; a heap that kept every freed block
         # (trainer.tune_malloc=reuse) 4.1-6.4x.
-        assert added < 1.6 * added_size, (rank, peaks, added_size)
+        assert added < 1.3 * added_size, (rank, peaks, added_size)
         assert peaks["fsdp"][rank] < peaks["ddp"][rank], (rank, peaks)
     # Plan mode's figure for the rank that holds the most, from what the process held before its model was
     # built: within 10 % (measured 0-3 %)
@@ -143,8 +144,10 @@ def test_lora_on_a_sharded_base_adds_a_shard_of_it_and_writes_both_outputs_witho
         predicted, measured = run["plan"]["run_host_peak_mb"], max(peaks[model])
         assert abs(measured - predicted) <= 0.1 * predicted, (model, measured, predicted)
     for rank in range(2):
-        # The rank's half of the base, the units gathered in turn, one whole tensor at the export: 0.94-1.11x
-        # measured; built whole on every rank and exported from a whole copy, 2.75x.
-        assert peaks["qwen2"][rank] - peaks["small"][rank] < 1.3 * added_size, (rank, peaks, added_size)
+        # The rank's half of the base (0.5x) and, at the forward's peak, the root's gathered embedding (held from
+        # the embedding to the head), a unit gathered, the next one gathered ahead (dist.fsdp.prefetch=1) and its
+        # copy-out, with the heap's holes: 0.96x measured (1.07-1.09x while gloo's all-gather kept a copy of each
+        # unit; 2.75x built whole on every rank and exported from a whole copy).
+        assert peaks["qwen2"][rank] - peaks["small"][rank] < 1.1 * added_size, (rank, peaks, added_size)
     run_dir = tmp_path / "qwen2"
     assert (run_dir / "hf_adapter" / "adapter_model.safetensors").exists() and (run_dir / "hf_model").is_dir()

@@ -18,6 +18,8 @@ from ..fp8 import gathered_in_float8
 from ..moe import routing_of
 from ..optim.plan import optimizer_state_bytes
 from ..precision import Precision
+from .blocks import find_blocks
+from .tied_head import extra_collectives, tied_head
 from .tp import local_shapes
 
 FIRST_BUCKET_BYTES = 1 * MIB  # DDP's smaller first bucket when bucket_cap_mb is left to it
@@ -136,6 +138,18 @@ def add_step(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precisio
     gathers, scatters = unit_collectives(cfg, plan, model)
     for unit in group["units"]:
         add_unit_comm(counts, plan.mesh, *unit_bytes(unit, plan.mesh.shard, precision, cut, float8), gathers, scatters)
+    head = tied_head(model, find_blocks(model, cfg.dist.blocks), plan.mesh, "cpu" if runs_on_cpu(cfg) else "cuda",
+                     cfg.trainer.compile)
+    if head is not None:  # its part of the tied weight's gradient reduced on its own (parallel/tied_head.py)
+        extra = extra_collectives(cfg.dist.fsdp.accum_sync, plan.mesh, plan.accum_steps,
+                                  shard_elements(head.weight, plan.mesh.shard))
+        for key, value in extra.items():
+            counts[key] += value
+
+
+def runs_on_cpu(cfg: Config) -> bool:
+    """Whether the run this config describes trains on CPU (trainer.device, or auto on a machine without CUDA)."""
+    return cfg.trainer.device == "cpu" or (cfg.trainer.device == "auto" and not torch.cuda.is_available())
 
 
 def add_dims(cfg: Config, plan: BatchPlan, model: nn.Module, dims: Dict[str, str]) -> None:

@@ -16,6 +16,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import Shard
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -99,6 +100,26 @@ def _written_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float32 if t.is_floating_point() else t.dtype
 
 
+def whole(t: Any) -> torch.Tensor:
+    """A DTensor made whole on every rank of its mesh: ``full_tensor()``, but on CPU for a tensor cut along dim 0
+    over one mesh dimension (FSDP's and hsdp's shards), each rank's part broadcast into its place in the whole.
+    ``full_tensor()`` on gloo gathers into a buffer and copies it: twice the tensor (measured: 48 MiB above the
+    resident set for a 24 MiB tensor, 24 this way), which an export paid at its largest tensor."""
+    cut = [i for i, p in enumerate(t.placements) if not p.is_replicate()]
+    if (t.device.type != "cpu" or t.ndim == 0 or len(cut) != 1 or type(t.placements[cut[0]]) is not Shard
+            or t.placements[cut[0]].dim != 0):
+        return t.full_tensor()
+    group = t.device_mesh.get_group(cut[0])
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    rows = -(-t.shape[0] // world)  # DTensor cuts dim 0 as torch.chunk does: this many rows a rank, the last fewer
+    out = torch.empty((world * rows, *t.shape[1:]), dtype=t.dtype)
+    local = t.to_local()
+    out[rank * rows:rank * rows + local.shape[0]].copy_(local)
+    for src in range(world):
+        dist.broadcast(out[src * rows:(src + 1) * rows], group=group, group_src=src)
+    return out[:t.shape[0]]
+
+
 class WholeTensors:
     """The whole model, one tensor at a time, on rank 0: the seam every export goes through.
 
@@ -143,7 +164,7 @@ class WholeTensors:
         for info in self.layout:
             t = self.local.get(info.name)
             if t is not None and hasattr(t, "full_tensor"):
-                t = t.full_tensor()  # a collective of every rank of its mesh, all of which hold this name
+                t = whole(t)  # a collective of every rank of its mesh, all of which hold this name
             if t is not None and self.rank in (0, info.holder):
                 t = t.to(info.dtype)
             if self.rank == 0:
