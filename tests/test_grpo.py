@@ -28,7 +28,7 @@ from dist_trainer.data.builtin import IGNORE_INDEX
 from dist_trainer.data.exact import Exact
 from dist_trainer.data.loader import StepPlan
 from dist_trainer.rl.grpo import advantages, kl_terms
-from dist_trainer.rl.rewards import exact_answer
+from dist_trainer.rl.rewards import build_reward, exact_answer
 from dist_trainer.rl.rollout import cut
 from dist_trainer.validation import validate
 from helpers import SCALE_TOL, assert_all_close_scaled, job_record, run_jobs
@@ -265,6 +265,9 @@ def test_kl_estimators_and_the_mask_by_position():
     assert cut([5, 6, 8], stop_ids=(7,)) == ([5, 6, 8], True)  # not ended: truncated, trained as it stands
     assert exact_answer("What is 2+2?", " 4 \n", answer="4") == 1.0
     assert exact_answer("What is 2+2?", "5", answer=4) == 0.0
+    reward = build_reward("exact_answer", "prompt")
+    record = {"prompt": "What is 2+2?", "answer": "4"}
+    assert reward(record, "4", True) == 1.0 and reward(record, "4", False) == 0.0  # cut before its end of turn
 
 
 def test_refusals_name_the_key(prompts):

@@ -87,7 +87,7 @@ def gumbel(generator: torch.Generator, size: int) -> torch.Tensor:
 
 
 def roll_out(sampler: Sampler, prompts: Any, step_prompts: List[int], step: int, rank: int, world: int,
-             reward: Callable[[dict, str], float], device: torch.device) -> Tuple[Sampled, float, float]:
+             reward: Callable[[dict, str, bool], float], device: torch.device) -> Tuple[Sampled, float, float]:
     """Every prompt of the step sampled and rewarded, each group by one rank, given to every rank; with the seconds
     this rank spent sampling and rewarding."""
     owned = step_prompts[rank::world]
@@ -102,8 +102,10 @@ def roll_out(sampler: Sampler, prompts: Any, step_prompts: List[int], step: int,
         if r >= len(owned):
             continue
         began = time.perf_counter()
-        completions = [cut(row, prompts.stop_ids)[0] for row in raw]
-        rewards = [reward(prompts.records[prompt], prompts.completion_text(c)) for c in completions]
+        cuts = [cut(row, prompts.stop_ids) for row in raw]
+        completions = [c for c, _ in cuts]
+        rewards = [reward(prompts.records[prompt], prompts.completion_text(c), not truncated)
+                   for c, truncated in cuts]
         score_s += time.perf_counter() - began
         mine[prompt] = (completions, rewards)
     sampled: Sampled = {}
