@@ -17,10 +17,15 @@ from .checks import reference_kind
 from .dpo import objective_of
 
 
+def holds_copy(cfg: Config) -> bool:
+    """A frozen copy of the model is held and run: task=dpo with rl.reference=copy, or task=grpo's KL term."""
+    return reference_kind(cfg) == "copy" and (cfg.task == "dpo" or (cfg.task == "grpo" and bool(cfg.rl.kl.coef)))
+
+
 def reference_bytes(cfg: Config, holds: List[nn.Parameter], shard: int, cut: Dict[int, torch.Size]) -> int:
     """What a rank holds of a reference copy (rl.reference=copy) of the parameters ``holds``: FP32 shards where
     FSDP shards the policy, else whole in their dtype (a deep copy of the policy as prepared)."""
-    if cfg.task != "dpo" or reference_kind(cfg) != "copy":
+    if not holds_copy(cfg):
         return 0
     unique = {id(p): p for p in holds}.values()
     if dp_plan.sharded_by_fsdp(cfg):
@@ -47,7 +52,8 @@ def add_step(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precisio
     if not dp_plan.sharded_by_fsdp(cfg):
         return
     cut = local_shapes(model, cfg.dist.tp)
-    if reference_kind(cfg) == "copy" and cfg.task == "dpo":  # its own units, each gathered once a forward
+    # a frozen copy's own units, each gathered once a forward (task=grpo runs it only for its KL term)
+    if holds_copy(cfg):
         for unit in group["units"]:
             dp_plan.add_unit_comm(counts, plan.mesh, dp_plan.unit_bytes(unit, plan.mesh.shard, precision, cut)[0], 0,
                                   plan.accum_steps, 0)
@@ -71,14 +77,10 @@ def sampling_passes(cfg: Config, plan: BatchPlan) -> int:
 
 def add_rollouts(cfg: Config, plan: BatchPlan, precision: Precision, group: Dict[str, Any],
                  counts: Dict[str, int]) -> None:
-    """A step's own: one all-reduce of the ratio's extremes over ranks, and a reference copy's units gathered once
-    a micro-batch where rl.kl.coef asks for it; and the sampling's (``sampling_comm``: a step that samples)."""
+    """A step's own: one all-reduce of the ratio's extremes over ranks; and the sampling's (``sampling_comm``: a
+    step that samples). A reference copy's gathers are add_step's, as DPO's."""
     if plan.mesh.world_size > 1:
         counts["rl_allreduces"] = counts.get("rl_allreduces", 0) + 1
-    if dp_plan.sharded_by_fsdp(cfg) and cfg.rl.kl.coef and reference_kind(cfg) == "copy":
-        for unit in group["units"]:
-            gathered = dp_plan.unit_bytes(unit, plan.mesh.shard, precision, {})[0]
-            dp_plan.add_unit_comm(counts, plan.mesh, gathered, 0, plan.accum_steps, 0)
     for key, value in sampling_comm(cfg, plan, precision, group).items():
         counts[key] = counts.get(key, 0) + value
 
