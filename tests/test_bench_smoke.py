@@ -7,9 +7,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from helpers import REPO
 
 
+@pytest.mark.slow  # 10-12 s: every row of bench/gpu.py on this CPU
 def test_gpu_benchmark_smoke_runs_every_row(tmp_path):
     out = tmp_path / "gpu.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(REPO)}

@@ -503,7 +503,7 @@ distributed.shutdown(env)
 """
 
 
-@pytest.mark.parametrize("agent_store", [False, True])
+@pytest.mark.parametrize("agent_store", [pytest.param(False, marks=pytest.mark.slow), True])  # False: 5 s, slow stage
 def test_workers_with_different_restart_counts_join_one_group_on_a_fresh_store(tmp_path, agent_store):
     # Across nodes each torchrun agent counts its own restarts: after one node's worker
     # dies, its agent restarts with TORCHELASTIC_RESTART_COUNT=1 and the others (restarting

@@ -33,6 +33,7 @@ def _check_config_error(proc: subprocess.CompletedProcess) -> None:
     assert "exitcode  : 2" in summary, summary
 
 
+@pytest.mark.slow  # a real torchrun launch, 8-12 s; the slow stage also runs this error 20 times under load
 def test_a_config_error_is_printed_once_and_named_in_torchruns_summary(tmp_path):
     _check_config_error(run_module(["optim.lr=-1", f"hydra.run.dir={tmp_path}/run"], tmp_path, torchrun_nproc=2))
 

@@ -165,6 +165,7 @@ def _sum_rank(rank, world_size):
     return t.item()
 
 
+@pytest.mark.slow  # waits out a hang's deadline: 4-5 s
 def test_a_hung_launch_fails_only_itself_with_every_ranks_stacks(tmp_path, capfd):
     with pytest.raises(pytest.fail.Exception, match="2 ranks did not finish in 2 s"):
         run_ranks(_hang_rank, 2, tmp_path / "hung", timeout=2)
@@ -175,6 +176,7 @@ def test_a_hung_launch_fails_only_itself_with_every_ranks_stacks(tmp_path, capfd
     assert run_ranks(_sum_rank, 2, tmp_path / "next") == [3.0, 3.0]
 
 
+@pytest.mark.slow  # waits out a hang's deadline: 6-7 s
 def test_a_forked_cli_run_times_out_with_its_stacks_and_the_next_one_runs(tmp_path):
     with pytest.raises(subprocess.TimeoutExpired) as expired:
         run_module(["model=custom", "model._target_=test_fence.Hangs", f"hydra.run.dir={tmp_path}/hung"],

@@ -133,7 +133,9 @@ def _worker(rank: int, world_size: int, jobs: list) -> dict:
 # and MXFP8's blocks under tp): CI's slow stage runs them, in a launch of their own.
 SLOW_CASES = ("fp8-rowwise-fsdp-every", "fp8-rowwise-gw-hp-fsdp-every", "fp8-mxfp8-fsdp-every",
               "fp8-rowwise-gw-hp-tp2", "fp8-tensorwise-tp2", "fp8-tensorwise-cp2", "fp8-mxfp8-cp2",
-              "fp8-rowwise-tp2sp", "fp8-mxfp8-w64-tp2")
+              "fp8-rowwise-tp2sp", "fp8-mxfp8-w64-tp2",
+              # the default launch keeps one case of each kind (fsdp, activation checkpointing, bf16 compute)
+              "fp8-rowwise-gw-hp-fsdp", "fp8-mxfp8-fsdp", "fp8-rowwise-ac", "fp8-rowwise-bf16-fsdp")
 
 
 def _cases(names) -> list:
@@ -192,10 +194,10 @@ def test_power_of_two_scales_keep_the_split_invariant(runs, request, name):
         _assert_gradients_and_weights(got, ref, f"{name} rank {rank}", "gw-hp" in name)
 
 
-@pytest.mark.parametrize("name", ["fp8-rowwise-bf16-ddp", "fp8-rowwise-bf16-fsdp", "fp8-tensorwise-ag-bf16-fsdp",
-                                  "fp8-mxfp8-bf16-fsdp"])
-def test_over_bf16_compute_the_split_holds_to_bf16s_rounding(runs, name):
-    one, two = runs
+@pytest.mark.parametrize("name", _cases(["fp8-rowwise-bf16-ddp", "fp8-rowwise-bf16-fsdp", "fp8-tensorwise-ag-bf16-fsdp",
+                                          "fp8-mxfp8-bf16-fsdp"]))
+def test_over_bf16_compute_the_split_holds_to_bf16s_rounding(runs, request, name):
+    one, two = runs[0], _two(request, runs, name)
     ref = job_record(one, name[:-len("-fsdp")] if name.endswith("bf16-fsdp") else "fp8-rowwise-bf16")
     tol = MX_HALF_TOL if "mxfp8" in name else HALF_TOL
     for rank, results in enumerate(two):

@@ -114,6 +114,7 @@ def test_a_blocked_loader_ends_the_run_in_seconds_naming_the_rank_and_step(block
         assert "most recent call first" in stacks and any(where in stacks for where in places), stacks[:3000]
 
 
+@pytest.mark.slow  # a 2-rank run of 15 s: the slow stage
 def test_the_slow_rank_is_named_the_straggler_in_every_steps_figures(slow_rank):
     run_dir, output = slow_rank
     records = metrics(run_dir)[stragglers.WARMUP_STEPS:]

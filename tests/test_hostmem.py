@@ -81,6 +81,7 @@ def probe(mode: str = "dist_trainer", **env_extra: str) -> dict:
 
 
 @glibc_only
+@pytest.mark.slow  # 8 s of faulting pages in: the slow stage
 def test_bounded_reuses_small_blocks_and_returns_large_ones_reuse_keeps_all():
     tuned, heap = probe(), probe("reuse")
     assert tuned["tuned"] is True and tuned["choice"] is None and heap["tuned"] is True

@@ -224,7 +224,9 @@ VLLM_ROUTES = ["/init_weight_transfer_engine"] + ["/start_weight_update", "/upda
 SGLANG_ROUTES = ["/init_weights_update_group"] + ["/update_weights_from_distributed"] * 2
 
 
-@pytest.mark.parametrize("mode, lora, routes", [("vllm", False, VLLM_ROUTES), ("broadcast", False, SGLANG_ROUTES),
+@pytest.mark.parametrize("mode, lora, routes", [("vllm", False, VLLM_ROUTES),
+                                                pytest.param("broadcast", False, SGLANG_ROUTES,
+                                                             marks=pytest.mark.slow),  # 4-5 s: slow stage
                                                 ("broadcast", True, SGLANG_ROUTES)])
 def test_a_server_gets_each_version_over_the_group_and_the_last_is_the_final_model(tmp_path, pairs, mode, lora,
                                                                                    routes):

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import run_module
+
 REPO = Path(__file__).resolve().parents[1]
 PLOTS = ("loss", "lr", "loss_scale", "throughput", "ranks", "overview")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -45,7 +47,7 @@ def run(tmp_path_factory):
     """A real 8-step run and its report: (run dir, report dir, report stdout)."""
     tmp = tmp_path_factory.mktemp("report")
     run_dir = tmp / "run"
-    train = _run(["-m", "dist_trainer", *TRAIN_ARGS, f"hydra.run.dir={run_dir}"], cwd=tmp, timeout=240)
+    train = run_module([*TRAIN_ARGS, f"hydra.run.dir={run_dir}"], cwd=tmp, timeout=240)  # forked: no start-up
     assert train.returncode == 0, train.stdout + train.stderr
     report = _run(["-m", "dist_trainer.report", str(run_dir)], cwd=tmp, timeout=120)
     assert report.returncode == 0, report.stdout + report.stderr
