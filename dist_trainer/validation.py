@@ -18,6 +18,7 @@ from .config import (ACCUM_SYNCS, LOGGER_PACKAGES, LOGGERS, LR_SCALINGS, NONFINI
                      RESHARDS, SCHEDULES, STRATEGIES, BatchConfig, BatchPlan, Config, ConfigError, MeshShape,
                      derive_batch, derive_mesh, require, resolve_reshard, scaled_lr)
 from .data.mixture import check_blend, check_blend_mesh
+from .data.streaming import check_streaming
 from .models.loss import check_loss
 from .moe.ep import check_ep_size
 from .moe.routing import check_moe
@@ -194,9 +195,6 @@ def check_data(cfg: Config) -> None:
             "must be true or false")
     workers = data.get("num_workers", 0)
     require(isinstance(workers, int) and workers >= 0, "data.num_workers", workers, "must be an integer >= 0")
-    require(not data.get("streaming"), "data.streaming", data.get("streaming"),
-            "is not built yet: hf_text and hf_chat tokenize once into their cache (python -m dist_trainer.prepare "
-            "writes token files for data=tokens or a blend's kind=tokens sources)")
     prefetch = data.get("prefetch_factor")
     require(prefetch is None or (isinstance(prefetch, int) and prefetch >= 1), "data.prefetch_factor", prefetch,
             "must be null (2 per worker) or an integer >= 1 (micro-batches each DataLoader worker keeps ready)")
@@ -222,8 +220,10 @@ def check_optimizer_cuts(cfg: Config, mesh: MeshShape) -> None:
 
 
 # Each feature's checks, in the order they run. The keys alone, before the mesh is derived:
-KEY_CHECKS = (check_precision, check_batch, check_optim, check_muon, check_optim_state, check_trainer, check_dist,
-              check_tp, check_loggers, check_data, check_blend, check_pp, check_moe, check_task, check_publish)
+# (check_streaming before check_trainer: it names trainer.max_steps where a stream needs it and it is not set.)
+KEY_CHECKS = (check_precision, check_batch, check_optim, check_muon, check_optim_state, check_streaming, check_trainer,
+              check_dist, check_tp, check_loggers, check_data, check_blend, check_pp, check_moe, check_task,
+              check_publish)
 # The keys against the mesh, once it is derived:
 MESH_CHECKS = (check_ep_size, check_cp, check_loss, check_fp8, check_optimizer_cuts, check_task_mesh,
                check_blend_mesh)

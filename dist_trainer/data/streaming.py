@@ -1,0 +1,305 @@
+"""``data.streaming=true``: ``hf_text`` tokenized as the run reads it, one shard at a time, with exact resume.
+
+The stream. The shards are the resolved ``files`` (hf_text's formats and documents: ``hf_text.read_documents``
+on one file at a time). In the stream's epoch e the shards come in the order of a permutation keyed by (seed,
+source name, "shards", e), and a shard's documents in the order of one keyed by (seed, name, e, the shard's file
+index); in file order without ``shuffle``. Each document is tokenized as the prepared path does it (its ids,
+then end-of-text: ``prepare.write_token_files``) and the epoch's documents are concatenated: block b of the
+epoch is its tokens ``[b * T, (b + 1) * T + 1)``, ``TokenFile``'s sample b, and the tail shorter than that is
+dropped as ``TokenFile`` drops it. Position p of the stream is its p-th block counted over every epoch: epoch
+after epoch, no length known up front. Without shuffle the blocks of every epoch are those of the token file
+that hf_text's cache (or ``python -m dist_trainer.prepare`` on jsonl or parquet files) writes of the same files.
+
+The state at a block's start, ``StreamState(epoch, shard, doc, offset)`` (the shard's place in the epoch's
+order, the document's place in the shard's order, the token inside the document's ids and end-of-text), is all a
+reader needs to go on from there: a checkpoint holds it for each streaming source (``BlendPlan``), and a resume
+seeks there directly, tokenizing nothing before it.
+
+Reading (``StreamingText``): a thread tokenizes forward (the ``tokenizers`` library releases the GIL; the bytes
+tokenizer is NumPy) into a window of blocks around the positions the rank asks for, ``hold`` behind the highest
+and ``hold`` ahead; a position the window has dropped re-seeks from the nearest state kept (one every ``MARK``
+blocks). Each rank reads the whole stream itself and keeps its own blocks: no rank waits for another, and each
+tokenizes every block of the run (the cost, docs/data.md). The thread is the loader's worker: DataLoader worker
+processes could not give a checkpoint the reader's state, so ``data.num_workers>0`` is refused with streaming.
+"""
+
+from __future__ import annotations
+
+import atexit
+import shutil
+import tempfile
+import threading
+import weakref
+from collections import OrderedDict
+from itertools import chain
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from ..config import Config, ConfigError, require
+from .loader import SampleOrder, hash_key
+from .mixture import STREAMED
+
+TARGETS = ("dist_trainer.data.hf_text.hf_text", "dist_trainer.hf.text.hf_text")
+CHAT_TARGETS = ("dist_trainer.data.hf_chat.hf_chat", "dist_trainer.hf.chat.hf_chat")
+BATCH_DOCS, BATCH_CHARS = 256, 1_000_000  # tokenized in one call: small, so the first block comes soon
+HOLD = 1024  # blocks kept behind the highest position asked, and read ahead of it (at least two steps' worth)
+MARK = 256  # a state kept every MARK blocks, for a position the window has dropped
+MARKS = 4096  # the most kept
+_READING = threading.Lock()
+JOIN_S = 10.0  # at exit, how long a reader may take to reach its next block and stop
+
+
+class StreamState(NamedTuple):
+    """Where a block starts: epoch, the shard's place in the epoch, the document's in the shard, the token in it."""
+
+    epoch: int
+    shard: int
+    doc: int
+    offset: int
+
+
+class TextStream:
+    """The stream's definition: its shards' order, their documents' order, and its blocks from any state."""
+
+    def __init__(self, shards: Sequence[Tuple[Path, str]], tokenizer: Any, block_size: int, text_key: str,
+                 seed: int = 0, name: str = "stream", shuffle: bool = False):
+        self.shards, self.tokenizer, self.block_size, self.text_key = list(shards), tokenizer, block_size, text_key
+        self.seed, self.name, self.shuffle = seed, name, shuffle  # the order's keys: BlendPlan's (keyed_by)
+        self.dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+
+    def shard_order(self, epoch: int) -> List[int]:
+        """The files' indices in epoch ``epoch``'s order."""
+        n = len(self.shards)
+        key = hash_key(self.seed, self.name, "shards", epoch) if self.shuffle else None
+        return SampleOrder(n, key)(np.arange(n)).tolist()
+
+    def documents(self, epoch: int, shard: int) -> List[str]:
+        """The documents of the epoch's ``shard``-th shard, in their keyed order: one file in memory."""
+        from .hf_text import read_documents
+
+        index = self.shard_order(epoch)[shard]
+        scratch = Path(tempfile.mkdtemp(prefix="dist_trainer-stream-"))
+        try:  # datasets' arrow copy of this one file, removed once read; one read at a time in a process, so
+            with _READING:  # that datasets' progress-bar switch (load_table's) is not raced by another source's
+                docs = list(chain.from_iterable(read_documents([self.shards[index]], self.text_key, scratch)))
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        if self.shuffle and len(docs) > 1:
+            order = SampleOrder(len(docs), hash_key(self.seed, self.name, epoch, index))(np.arange(len(docs)))
+            docs = [docs[i] for i in order.tolist()]
+        return docs
+
+    def _batches(self, state: StreamState) -> Iterator[Tuple[int, int, np.ndarray, np.ndarray]]:
+        """(shard, first document, ids, lengths) of the state's epoch from the state's document on, tokenized."""
+        for shard in range(state.shard, len(self.shards)):
+            docs = self.documents(state.epoch, shard)
+            first = state.doc if shard == state.shard else 0
+            while first < len(docs):
+                last, chars = first, 0
+                while last < len(docs) and last - first < BATCH_DOCS and chars < BATCH_CHARS:
+                    chars += len(docs[last])
+                    last += 1
+                ids, lengths = self.tokenizer.encode_flat(docs[first:last])
+                yield shard, first, ids, lengths
+                first = last
+
+    def blocks(self, position: int, state: StreamState) -> Iterator[Tuple[int, StreamState, np.ndarray]]:
+        """(position, the state at its start, its T + 1 tokens) from ``state``, block ``position``, on."""
+        need, eos = self.block_size + 1, self.tokenizer.eos_id
+        while True:
+            buf = np.zeros(0, dtype=self.dtype)  # the epoch's tokens not yet passed, from ``head``
+            starts = np.zeros(0, dtype=np.int64)  # where each document's tokens begin in buf
+            where: List[Tuple[int, int]] = []  # each one's (shard, doc)
+            head, made = state.offset, 0
+            for shard, first, ids, lengths in self._batches(state):
+                tokens = np.insert(ids.astype(self.dtype), np.cumsum(lengths), eos)  # end-of-text after each
+                keep = int(np.searchsorted(starts, head, side="right")) - 1 if starts.size else 0
+                cut = int(starts[keep]) if starts.size else 0  # drop what is passed, the head's document kept
+                starts = np.concatenate([starts[keep:] - cut, buf.size - cut + np.concatenate(
+                    [[0], np.cumsum(lengths + 1)[:-1]])]).astype(np.int64)
+                where = where[keep:] + [(shard, first + i) for i in range(lengths.size)]
+                buf, head = np.concatenate([buf[cut:], tokens]), head - cut
+                while buf.size - head >= need:
+                    doc = int(np.searchsorted(starts, head, side="right")) - 1
+                    at = StreamState(state.epoch, *where[doc], head - int(starts[doc]))
+                    yield position, at, buf[head:head + need]
+                    position, head, made = position + 1, head + self.block_size, made + 1
+            if made == 0 and state == StreamState(state.epoch, 0, 0, 0):
+                raise ConfigError(f"data.block_size={self.block_size}: an epoch of data.files holds fewer tokens "
+                                  f"than one sample (block_size + 1); lower data.block_size or add text")
+            state = StreamState(state.epoch + 1, 0, 0, 0)  # the tail shorter than a block is dropped
+
+
+class StreamingText(Dataset):
+    """Sample p: block p of the stream, as ``input_ids`` and ``targets`` (the next tokens), read by a thread."""
+
+    items_are_tokens = True
+    streaming = True
+    sample_keys = ("input_ids", "targets")
+
+    def __init__(self, stream: TextStream, hold: int = HOLD):
+        self.stream, self.hold = stream, hold
+        self.block_size, self.tokenizer = stream.block_size, stream.tokenizer
+        self.vocab_size = stream.tokenizer.vocab_size
+        self._cond = threading.Condition()
+        self._blocks: Dict[int, Tuple[StreamState, np.ndarray]] = {}
+        self._marks: "OrderedDict[int, StreamState]" = OrderedDict({0: StreamState(0, 0, 0, 0)})
+        self._start = (0, StreamState(0, 0, 0, 0))  # where the next reader begins
+        self._asked = -1  # the highest position asked for (a re-read: the one that asked for it)
+        self._next = 0  # the next position the reader gives
+        self._reader: Optional[threading.Thread] = None
+        self._generation = 0  # a reader of an older generation stops
+        self._error: Optional[BaseException] = None
+        _OPEN.add(self)
+
+    def __len__(self) -> int:
+        return STREAMED
+
+    def __getitem__(self, position: int) -> Dict[str, torch.Tensor]:
+        _, block = self._block(int(position))
+        chunk = torch.from_numpy(block.astype(np.int64))
+        return {"input_ids": chunk[:-1], "targets": chunk[1:]}
+
+    def state_at(self, position: int) -> StreamState:
+        """The stream's state at block ``position``'s start (read up to it if need be): what a checkpoint holds."""
+        return self._block(position)[0]
+
+    def seek(self, position: int, state: Sequence[int]) -> None:
+        """Go on from block ``position``, whose state is ``state`` (a checkpoint's): nothing before it is read."""
+        at = StreamState(*map(int, state))
+        with self._cond:
+            self._marks[position] = at
+            self._restart(position, at, asked=position)
+
+    def keyed_by(self, name: str, seed: int, shuffle: bool, hold: int) -> None:
+        """The order's keys (the source's name, trainer.seed, data.shuffle) and the window: set by the BlendPlan
+        that reads the stream, before its first block."""
+        with self._cond:
+            if self._reader is not None and (name, seed, shuffle) != (self.stream.name, self.stream.seed,
+                                                                        self.stream.shuffle):
+                raise RuntimeError("a stream's order changed after it began to read")
+            self.stream.name, self.stream.seed, self.stream.shuffle = name, seed, shuffle
+            self.hold = max(self.hold, hold)
+
+    def close(self) -> None:
+        """Stop the reader (it ends at its next block): a thread left inside the tokenizer or pyarrow when the
+        interpreter exits can abort it."""
+        with self._cond:
+            self._generation += 1
+            reader, self._reader = self._reader, None
+            self._cond.notify_all()
+        if reader is not None and reader is not threading.current_thread():
+            reader.join(JOIN_S)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        raise TypeError("a streaming source's reader is a thread of its process: it cannot go to DataLoader "
+                        "workers (data.num_workers=0 with data.streaming=true)")
+
+    # ------------------------------------------------------------------ the window and its reader
+
+    def _block(self, position: int) -> Tuple[StreamState, np.ndarray]:
+        with self._cond:
+            if position not in self._blocks and (self._reader is None or position < self._start[0]
+                                                 or position < self._next):
+                # before the window (or no reader yet): read again from the nearest state kept
+                start = max((p for p in self._marks if p <= position), default=0)
+                self._restart(start, self._marks.get(start, StreamState(0, 0, 0, 0)), asked=position)
+            self._asked = max(self._asked, position)
+            self._cond.notify_all()
+            while position not in self._blocks:
+                if self._error is not None:
+                    raise self._error
+                self._cond.wait()
+            return self._blocks[position]
+
+    def _restart(self, position: int, state: StreamState, asked: int) -> None:
+        """A new reader from ``state`` (block ``position``); the old one stops at its next block. Under the lock."""
+        self._generation += 1
+        self._blocks.clear()
+        self._start, self._next, self._asked, self._error = (position, state), position, asked, None
+        self._reader = threading.Thread(target=self._read, args=(self._generation, position, state), daemon=True,
+                                        name=f"stream-{self.stream.name}")
+        self._reader.start()
+        self._cond.notify_all()  # the old reader, if it waits, wakes to stop
+
+    def _read(self, generation: int, position: int, state: StreamState) -> None:
+        try:
+            for p, at, block in self.stream.blocks(position, state):
+                with self._cond:
+                    while generation == self._generation and p > self._asked + self.hold:
+                        self._cond.wait()  # far enough ahead: wait for the rank to ask further
+                    if generation != self._generation:
+                        return
+                    self._blocks[p] = (at, block.copy())  # positions in increasing order: the oldest first
+                    self._next = p + 1
+                    while next(iter(self._blocks)) < self._asked - self.hold:
+                        del self._blocks[next(iter(self._blocks))]
+                    if p % MARK == 0:
+                        self._marks[p] = at
+                        while len(self._marks) > MARKS:
+                            self._marks.popitem(last=False)
+                    self._cond.notify_all()
+        except BaseException as err:  # noqa: BLE001 (given to the rank that waits for a block)
+            with self._cond:
+                if generation == self._generation:
+                    self._error = err
+                    self._cond.notify_all()
+
+
+_OPEN: "weakref.WeakSet[StreamingText]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for stream in list(_OPEN):
+        stream.close()
+
+
+# ----------------------------------------------------------------------------- the keys (validation's wing)
+
+def streaming_nodes(data: Mapping[str, Any]) -> Dict[str, Mapping[str, Any]]:
+    """The nodes that stream, by the key that names them: ``data``, or ``data.sources.NAME`` in a blend."""
+    from .mixture import is_blend
+
+    if not is_blend(data):
+        return {"data": data} if data.get("streaming") else {}
+    sources = data.get("sources") or {}
+    return {f"data.sources.{n}": node for n, node in sources.items()
+            if isinstance(node, Mapping) and node.get("streaming")}
+
+
+def check_streaming(cfg: Config) -> None:
+    """data.streaming (or a blend source's): hf_text only; what needs the whole corpus up front is refused."""
+    from .mixture import is_blend
+
+    data = cfg.data
+    if is_blend(data):
+        require(data.get("streaming") in (None, False), "data.streaming", data.get("streaming"),
+                "is a source's key in a blend: set data.sources.NAME.streaming=true on each hf_text source")
+    for key, node in streaming_nodes(data).items():
+        require(node.get("streaming") is True, f"{key}.streaming", node.get("streaming"), "must be true or false")
+        target = node.get("_target_") if key == "data" else node.get("kind")
+        require(target not in CHAT_TARGETS + ("hf_chat",), f"{key}.streaming", True,
+                "is not built for hf_chat yet: its conversations are tokenized once into its cache; set "
+                f"{key}.streaming=false")
+        require(target in TARGETS + ("hf_text",), f"{key}.streaming", True,
+                "streams hf_text's files only (data=tokens is already read as it goes)")
+        fraction = node.get("val_fraction", 0.0)
+        require(not fraction, f"{key}.val_fraction", fraction, "must be 0 with streaming: the held-out documents "
+                "are chosen by their index in the whole corpus, which a stream does not know up front")
+        task = data.get("task", "causal_lm")
+        require(task == "causal_lm", "data.task", task, "streaming gives causal LM samples only (masked_lm's "
+                "masks are keyed by an epoch of known length): set data.streaming=false")
+    if streaming_nodes(data):
+        workers = data.get("num_workers", 0)
+        require(not (isinstance(workers, int) and workers > 0), "data.num_workers", workers,
+                "must be 0 with streaming: the stream's reader is a thread of the rank (it tokenizes without the "
+                "GIL), and only the rank's own reader knows the state a checkpoint records")
+        steps = cfg.trainer.max_steps
+        require(isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1, "trainer.max_steps", steps,
+                "must be an integer >= 1 with streaming: a stream's epoch is not known until read, so the run "
+                "is as long as trainer.max_steps says")
