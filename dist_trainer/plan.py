@@ -350,7 +350,7 @@ def plan_report(cfg: Config, world_size: int, local_world_size: Optional[int] = 
            f"export)"] if numbers.get("run_host_peak_mb") is not None else []),
         f"  a checkpoint's copy in host memory per rank under trainer.ckpt_async=true: "
         f"{numbers['ckpt_staging_mb']:.2f} MiB (ckpt_staging_mb; the model in FP32 and the optimizer state)",
-        *([f"  dataset streamed (data.streaming=true; its length: {mixture.NOT_KNOWN}): {plan.max_steps} steps "
+        *([f"  dataset {mixture.NOT_KNOWN} (data.streaming=true): {plan.max_steps} steps "
            f"of {plan.global_batch_size} samples, {plan.max_steps * plan.global_batch_size:,} in all"]
           if getattr(dataset, "standalone", False) else
           mixture.plan_lines(step_plan.mixture, dataset.lengths, dataset.kinds, plan.max_steps)

@@ -351,6 +351,8 @@ def _train(cfg: Config, plan: BatchPlan, env: DistEnv, run_dir: Path, watch: Wat
         saves.close()
         stop.close()
         outputs.close()
+        if isinstance(parts.train_set, Blend):  # a streaming source's reader stops reading ahead
+            parts.train_set.close()
     watch.begin("final", position.step)
     # Every rank walks the model tensor by tensor; rank 0 writes final_model.pt and hf_model/.
     with hostmem.PhasePeak() as export:  # what writing the final model adds to this rank's memory

@@ -75,6 +75,12 @@ class Blend(Dataset):
         batch = self._collate([{k: v for k, v in s.items() if k != "source"} for s in samples])
         return {**batch, "source": source}
 
+    def close(self) -> None:
+        """Stop the streaming sources' readers (the run is over)."""
+        for dataset, stream in zip(self.datasets, self.streams):
+            if stream:
+                dataset.close()
+
     def describe(self) -> Dict[str, Dict[str, Any]]:
         """What a checkpoint records of the sources: a resume compares it with its own (mixture.changed_key)."""
         return {name: {"kind": kind, "length": NOT_KNOWN if stream else length}

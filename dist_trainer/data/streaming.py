@@ -254,7 +254,8 @@ _OPEN: "weakref.WeakSet[StreamingText]" = weakref.WeakSet()
 
 
 @atexit.register
-def _close_all() -> None:
+def close_all() -> None:
+    """Every stream's reader stopped (at exit; after each test)."""
     for stream in list(_OPEN):
         stream.close()
 
