@@ -113,7 +113,7 @@ def startup_report(plan: BatchPlan, env: DistEnv, cfg: Config, model: nn.Module,
         f"model {getattr(model, 'name', cfg.model['_target_'])}: {params:,} parameters | data {cfg.data['_target_']}: "
         + (f"{step_plan.num_samples} samples, {step_plan.steps_per_epoch} optimizer steps per epoch"
            if not hasattr(step_plan, "mixture") else  # data=blend: no epoch of the whole
-           f"{step_plan.num_samples} samples in sources {', '.join(step_plan.mixture.names)}, each wrapping on its own "
+           f"sources {step_plan.describe_sources()}, each wrapping on its own "
            "(plan mode prints each one's share and epochs)")
         + moe_line(model, plan)
         + (f"\noptimizer: {line}" if (line := optimizer_line(list(model.named_parameters()), cfg.optim)) else "")

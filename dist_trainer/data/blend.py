@@ -284,6 +284,11 @@ class BlendPlan:
                    if stream}
         return {"sources": self.describe(), **state, "streams": streams}
 
+    def describe_sources(self) -> str:
+        """Each source and its samples, for the start-up line: ``web (40 samples), text (streamed: ...)``."""
+        return ", ".join(f"{name} ({NOT_KNOWN if stream else f'{length} samples'})" for name, length, stream
+                         in zip(self.blend.names, self.blend.lengths, self.blend.streams))
+
     def describe(self) -> Dict[str, Dict[str, Any]]:
         weights = dict(zip(self.mixture.names, self.mixture.schedules))
         return {name: {**value, "weight": [list(p) for p in weights[name]]}
