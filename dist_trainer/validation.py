@@ -114,7 +114,9 @@ def check_optim_state(cfg: Config) -> None:
 def check_trainer(cfg: Config) -> None:
     """``trainer.*``: the run's length, cadences, checkpoints and device."""
     t = cfg.trainer
-    require(t.max_steps >= 1, "trainer.max_steps", t.max_steps, "must be >= 1")
+    # (an integer always: a streamed corpus's epoch is not known until read, and the run is as long as this says)
+    require(isinstance(t.max_steps, int) and not isinstance(t.max_steps, bool) and t.max_steps >= 1,
+            "trainer.max_steps", t.max_steps, "must be an integer >= 1")
     require(isinstance(t.compile, bool), "trainer.compile", t.compile, "must be true or false")
     require(t.log_every >= 1, "trainer.log_every", t.log_every, "must be >= 1")
     require(t.eval_every >= 0, "trainer.eval_every", t.eval_every, "must be >= 0 (0 disables)")
@@ -220,9 +222,8 @@ def check_optimizer_cuts(cfg: Config, mesh: MeshShape) -> None:
 
 
 # Each feature's checks, in the order they run. The keys alone, before the mesh is derived:
-# (check_streaming before check_trainer: it names trainer.max_steps where a stream needs it and it is not set.)
-KEY_CHECKS = (check_precision, check_batch, check_optim, check_muon, check_optim_state, check_streaming, check_trainer,
-              check_dist, check_tp, check_loggers, check_data, check_blend, check_pp, check_moe, check_task,
+KEY_CHECKS = (check_precision, check_batch, check_optim, check_muon, check_optim_state, check_trainer, check_dist,
+              check_tp, check_loggers, check_data, check_blend, check_streaming, check_pp, check_moe, check_task,
               check_publish)
 # The keys against the mesh, once it is derived:
 MESH_CHECKS = (check_ep_size, check_cp, check_loss, check_fp8, check_optimizer_cuts, check_task_mesh,

@@ -274,7 +274,9 @@ def streaming_nodes(data: Mapping[str, Any]) -> Dict[str, Mapping[str, Any]]:
 
 
 def check_streaming(cfg: Config) -> None:
-    """data.streaming (or a blend source's): hf_text only; what needs the whole corpus up front is refused."""
+    """data.streaming (or a blend source's): hf_text only; what needs the whole corpus up front is refused.
+    (trainer.max_steps, which a stream needs, its epoch not known until read, is an integer in every run:
+    check_trainer.)"""
     from .mixture import is_blend
 
     data = cfg.data
@@ -300,7 +302,3 @@ def check_streaming(cfg: Config) -> None:
         require(not (isinstance(workers, int) and workers > 0), "data.num_workers", workers,
                 "must be 0 with streaming: the stream's reader is a thread of the rank (it tokenizes without the "
                 "GIL), and only the rank's own reader knows the state a checkpoint records")
-        steps = cfg.trainer.max_steps
-        require(isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1, "trainer.max_steps", steps,
-                "must be an integer >= 1 with streaming: a stream's epoch is not known until read, so the run "
-                "is as long as trainer.max_steps says")
