@@ -54,7 +54,13 @@ def corpus(tmp_path_factory) -> dict:
         small.append(root / f"small{i}.jsonl")
         small[-1].write_text("".join(json.dumps({"text": f"shard {i} note {j}: " + "ab cd " * (1 + (i + j) % 4)})
                                      + "\n" for j in range(4)))
-    return {"root": root, "shards": [str(s) for s in shards], "small": [str(s) for s in small]}
+    chats = [root / f"chat{i}.jsonl" for i in range(3)]
+    for i, path in enumerate(chats):
+        path.write_text("".join(json.dumps({"messages": [
+            {"role": "user", "content": f"What is {i}+{j}?"},
+            {"role": "assistant", "content": f"{i + j}. " * (1 + (i * j) % 5)}]}) + "\n" for j in range(5)))
+    return {"root": root, "shards": [str(s) for s in shards], "small": [str(s) for s in small],
+            "chats": [str(c) for c in chats]}
 
 
 def config(root: Path, sources: dict, micro: int = GLOBAL, steps: int = STEPS, shuffle: bool = True):
@@ -125,6 +131,39 @@ def test_shuffled_ranks_read_the_one_process_batches_and_a_checkpoint_resumes_th
     assert all(samples(later, s) == samples(one, s) for s in range(18, steps + 1))
 
 
+@pytest.mark.parametrize("packing", [False, True])
+def test_a_chat_stream_is_the_cached_conversations_and_resumes_past_its_epoch(corpus, packing):
+    """hf_chat: a conversation a sample (padded) or packed blocks, as its cache holds them, epoch after epoch."""
+    root, chats = corpus["root"], corpus["chats"]
+    cached = {"kind": "hf_chat", "files": chats, "weight": 1.0, "packing": packing, "cache_dir": str(root / "cache")}
+
+    def chat_config(source: dict, steps: int = STEPS, shuffle: bool = True):
+        cfg = config(root, {"chat": source}, steps=steps, shuffle=shuffle)
+        cfg.data["block_size"] = 160  # a conversation's template and answer: 2 or 3 to a packed block
+        return cfg
+
+    cache = build_dataset(chat_config(cached).data).datasets[0]
+    steps = max(4, 5 * len(cache) // (2 * GLOBAL) + 1)  # two and a half epochs of the cache, or more
+    streamed = {**cached, "streaming": True}
+    one = plan_of(chat_config(streamed, steps, shuffle=False))
+    reference = plan_of(chat_config(cached, steps, shuffle=False))
+    keys = ("input_ids", "labels", "position_ids") if packing else ("input_ids", "labels")
+    for step in range(1, steps + 1):
+        got, want = next(one.windows(0, step - 1))[0], next(reference.windows(0, step - 1))[0]
+        for i, j in zip(got, want):
+            a, b = one.blend[i], reference.blend[j]
+            assert set(a) == set(b) == {*keys, "source"} and all(torch.equal(a[k], b[k]) for k in keys), step
+    shuffled = chat_config(streamed, steps)
+    one = plan_of(shuffled)
+    saved = json.loads(json.dumps(one.checkpoint_state(steps - 2)))
+    assert StreamState(*saved["streams"]["chat"]["state"]).epoch >= 1
+    later = plan_of(shuffled)
+    later.resume_from(saved, steps - 2)
+    for step in (steps - 1, steps):
+        assert all(torch.equal(later.blend[i]["input_ids"], one.blend[i]["input_ids"])
+                   for i in next(later.windows(0, step - 1))[0]), step
+
+
 def test_plan_mode_says_a_streams_length_is_not_known():
     mixture = Mixture(["web", "text"], [[(1, 0.5)], [(1, 0.5)]], 10)
     lines = "\n".join(plan_lines(mixture, [40, 2**48], ["tokens", "hf_text"], 20))
@@ -137,8 +176,7 @@ def test_plan_mode_says_a_streams_length_is_not_known():
     ({"val_fraction": 0.1}, "data.val_fraction=0.1: must be 0 with streaming"),
     ({"task": "masked_lm"}, "data.task='masked_lm': streaming gives causal LM samples only"),
     ({"max_steps": None}, "trainer.max_steps=None: must be an integer >= 1"),  # every run's: a stream's too
-    ({"_target_": "dist_trainer.data.hf_chat.hf_chat"}, "data.streaming=True: is not built for hf_chat yet"),
-    ({"_target_": "dist_trainer.data.tokens.token_file"}, "data.streaming=True: streams hf_text's files only"),
+    ({"_target_": "dist_trainer.data.tokens.token_file"}, "data.streaming=True: streams hf_text's and hf_chat's"),
     ({"blend": True}, "data.sources.text.val_fraction=0.2: must be 0 with streaming"),
 ])
 def test_what_a_stream_cannot_do_is_refused_naming_the_key(corpus, change, message):

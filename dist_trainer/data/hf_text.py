@@ -304,9 +304,10 @@ def hf_text(files: Sequence[str], block_size: int, tokenizer: str = "bytes", for
     if split == "val" and val_fraction == 0:
         return None  # nothing held out: the run has no evaluation
     if streaming:
-        from .streaming import StreamingText, TextStream
+        from .streaming import StreamingDataset, TextStream
 
-        return StreamingText(TextStream(resolve_files(files, format), load_tokenizer(tokenizer), block_size, text_key))
+        return StreamingDataset(TextStream(resolve_files(files, format), load_tokenizer(tokenizer), block_size,
+                                           text_key))
     builds = distributed.local_rank() == 0  # one builder per node; the node's other ranks wait in agreed()
 
     def prepare() -> Tuple[TextTokenizer, Path]:

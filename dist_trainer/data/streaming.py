@@ -1,26 +1,30 @@
-"""``data.streaming=true``: ``hf_text`` tokenized as the run reads it, one shard at a time, with exact resume.
+"""``data.streaming=true``: ``hf_text`` and ``hf_chat`` tokenized as the run reads, one shard at a time, with
+exact resume.
 
-The stream. The shards are the resolved ``files`` (hf_text's formats and documents: ``hf_text.read_documents``
-on one file at a time). In the stream's epoch e the shards come in the order of a permutation keyed by (seed,
-source name, "shards", e), and a shard's documents in the order of one keyed by (seed, name, e, the shard's file
-index); in file order without ``shuffle``. Each document is tokenized as the prepared path does it (its ids,
-then end-of-text: ``prepare.write_token_files``) and the epoch's documents are concatenated: block b of the
-epoch is its tokens ``[b * T, (b + 1) * T + 1)``, ``TokenFile``'s sample b, and the tail shorter than that is
-dropped as ``TokenFile`` drops it. Position p of the stream is its p-th block counted over every epoch: epoch
-after epoch, no length known up front. Without shuffle the blocks of every epoch are those of the token file
-that hf_text's cache (or ``python -m dist_trainer.prepare`` on jsonl or parquet files) writes of the same files.
+The stream. The shards are the resolved ``files``, each read with its kind's own reader (``hf_text``'s
+documents, ``hf_chat``'s conversations), one file at a time. In the stream's epoch e the shards come in the
+order of a permutation keyed by (seed, source name, "shards", e), and a shard's documents in the order of one
+keyed by (seed, name, e, the shard's file index); in file order without ``shuffle``. Position p of the stream is
+its p-th item counted over every epoch: epoch after epoch, no length known up front.
 
-The state at a block's start, ``StreamState(epoch, shard, doc, offset)`` (the shard's place in the epoch's
-order, the document's place in the shard's order, the token inside the document's ids and end-of-text), is all a
-reader needs to go on from there: a checkpoint holds it for each streaming source (``BlendPlan``), and a resume
-seeks there directly, tokenizing nothing before it.
+- ``TextStream`` (hf_text): each document tokenized as the prepared path does it (its ids, then end-of-text:
+  ``prepare.write_token_files``), the epoch's documents concatenated; block b of the epoch is its tokens
+  ``[b * T, (b + 1) * T + 1)``, ``TokenFile``'s sample b, the tail shorter than that dropped as ``TokenFile``
+  drops it. Without shuffle every epoch's blocks are those of hf_text's cache of the same files.
+- ``ChatStream`` (hf_chat): a conversation per item, or with packing a block of whole conversations, exactly as
+  hf_chat's cache holds them; without shuffle every epoch's items are the cache's.
 
-Reading (``StreamingText``): a thread tokenizes forward (the ``tokenizers`` library releases the GIL; the bytes
-tokenizer is NumPy) into a window of blocks around the positions the rank asks for, ``hold`` behind the highest
-and ``hold`` ahead; a position the window has dropped re-seeks from the nearest state kept (one every ``MARK``
-blocks). Each rank reads the whole stream itself and keeps its own blocks: no rank waits for another, and each
-tokenizes every block of the run (the cost, docs/data.md). The thread is the loader's worker: DataLoader worker
-processes could not give a checkpoint the reader's state, so ``data.num_workers>0`` is refused with streaming.
+The state at an item's start, ``StreamState(epoch, shard, doc, offset)`` (the shard's place in the epoch's
+order, the document's place in the shard's order, the token inside the document's ids and end-of-text; 0 for a
+conversation), is all a reader needs to go on from there: a checkpoint holds it for each streaming source
+(``BlendPlan``), and a resume seeks there directly, tokenizing nothing before it.
+
+Reading (``StreamingDataset``): a thread tokenizes forward (the ``tokenizers`` library releases the GIL; the
+bytes tokenizer is NumPy) into a window of items around the positions the rank asks for, ``hold`` behind the
+highest and ``hold`` ahead; a position the window has dropped re-seeks from the nearest state kept (one every
+``MARK`` items). Each rank reads the whole stream itself and keeps its own items: no rank waits for another, and
+each tokenizes every item of the run (the cost, docs/data.md). The thread is the loader's worker: DataLoader
+worker processes could not give a checkpoint the reader's state, so ``data.num_workers>0`` is refused.
 """
 
 from __future__ import annotations
@@ -62,14 +66,20 @@ class StreamState(NamedTuple):
     offset: int
 
 
-class TextStream:
-    """The stream's definition: its shards' order, their documents' order, and its blocks from any state."""
+class ShardedStream:
+    """What every stream shares: its shards, their order in each epoch, and their documents' order.
 
-    def __init__(self, shards: Sequence[Tuple[Path, str]], tokenizer: Any, block_size: int, text_key: str,
-                 seed: int = 0, name: str = "stream", shuffle: bool = False):
-        self.shards, self.tokenizer, self.block_size, self.text_key = list(shards), tokenizer, block_size, text_key
-        self.seed, self.name, self.shuffle = seed, name, shuffle  # the order's keys: BlendPlan's (keyed_by)
-        self.dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+    A stream kind gives ``read(shard_file, scratch)`` (a file's documents, in file order), ``blocks(position,
+    state)`` (its items from a state on), ``sample(item)`` and ``sample_keys``; ``collate`` if it pads."""
+
+    sample_keys: Tuple[str, ...] = ()
+
+    def __init__(self, shards: Sequence[Tuple[Path, str]], tokenizer: Any, block_size: int):
+        self.shards, self.tokenizer, self.block_size = list(shards), tokenizer, block_size
+        self.seed, self.name, self.shuffle = 0, "stream", False  # the order's keys: BlendPlan's (keyed_by)
+
+    def read(self, shard: Tuple[Path, str], scratch: Path) -> List[Any]:
+        raise NotImplementedError
 
     def shard_order(self, epoch: int) -> List[int]:
         """The files' indices in epoch ``epoch``'s order."""
@@ -77,21 +87,39 @@ class TextStream:
         key = hash_key(self.seed, self.name, "shards", epoch) if self.shuffle else None
         return SampleOrder(n, key)(np.arange(n)).tolist()
 
-    def documents(self, epoch: int, shard: int) -> List[str]:
+    def documents(self, epoch: int, shard: int) -> List[Any]:
         """The documents of the epoch's ``shard``-th shard, in their keyed order: one file in memory."""
-        from .hf_text import read_documents
-
         index = self.shard_order(epoch)[shard]
         scratch = Path(tempfile.mkdtemp(prefix="dist_trainer-stream-"))
         try:  # datasets' arrow copy of this one file, removed once read; one read at a time in a process, so
             with _READING:  # that datasets' progress-bar switch (load_table's) is not raced by another source's
-                docs = list(chain.from_iterable(read_documents([self.shards[index]], self.text_key, scratch)))
+                docs = self.read(self.shards[index], scratch)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         if self.shuffle and len(docs) > 1:
             order = SampleOrder(len(docs), hash_key(self.seed, self.name, epoch, index))(np.arange(len(docs)))
             docs = [docs[i] for i in order.tolist()]
         return docs
+
+
+class TextStream(ShardedStream):
+    """hf_text's stream: documents tokenized and concatenated, cut into TokenFile's blocks epoch by epoch."""
+
+    sample_keys = ("input_ids", "targets")
+
+    def __init__(self, shards: Sequence[Tuple[Path, str]], tokenizer: Any, block_size: int, text_key: str):
+        super().__init__(shards, tokenizer, block_size)
+        self.text_key = text_key
+        self.dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+
+    def read(self, shard: Tuple[Path, str], scratch: Path) -> List[str]:
+        from .hf_text import read_documents
+
+        return list(chain.from_iterable(read_documents([shard], self.text_key, scratch)))
+
+    def sample(self, block: np.ndarray) -> Dict[str, torch.Tensor]:
+        chunk = torch.from_numpy(block.astype(np.int64))
+        return {"input_ids": chunk[:-1], "targets": chunk[1:]}
 
     def _batches(self, state: StreamState) -> Iterator[Tuple[int, int, np.ndarray, np.ndarray]]:
         """(shard, first document, ids, lengths) of the state's epoch from the state's document on, tokenized."""
@@ -126,7 +154,7 @@ class TextStream:
                 while buf.size - head >= need:
                     doc = int(np.searchsorted(starts, head, side="right")) - 1
                     at = StreamState(state.epoch, *where[doc], head - int(starts[doc]))
-                    yield position, at, buf[head:head + need]
+                    yield position, at, buf[head:head + need].copy()  # not a view holding the whole buf
                     position, head, made = position + 1, head + self.block_size, made + 1
             if made == 0 and state == StreamState(state.epoch, 0, 0, 0):
                 raise ConfigError(f"data.block_size={self.block_size}: an epoch of data.files holds fewer tokens "
@@ -134,17 +162,82 @@ class TextStream:
             state = StreamState(state.epoch + 1, 0, 0, 0)  # the tail shorter than a block is dropped
 
 
-class StreamingText(Dataset):
-    """Sample p: block p of the stream, as ``input_ids`` and ``targets`` (the next tokens), read by a thread."""
+class ChatStream(ShardedStream):
+    """hf_chat's stream: item p is a conversation (padded by ``collate``), or with ``packing`` a block of whole
+    conversations, packed greedily in the epoch's order as ``hf_chat.pack`` packs the cache (a block's state is
+    its first conversation's: packing from there gives the same blocks). Cut to max_length, and dropped with no
+    trained token left, as the cache does; an epoch ends with its last conversation (a packed tail is padded)."""
 
-    items_are_tokens = True
+    def __init__(self, shards: Sequence[Tuple[Path, str]], tokenizer: Any, block_size: int, template: Any,
+                 columns: Any, train_on: str, max_length: int, packing: bool):
+        super().__init__(shards, tokenizer, block_size)
+        self.template, self.columns, self.train_on = template, columns, train_on
+        self.max_length, self.packing = max_length, packing
+        self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
+        self.sample_keys = ("input_ids", "labels", "position_ids") if packing else ("input_ids", "labels")
+        self.collate = None if packing else self._pad
+
+    def read(self, shard: Tuple[Path, str], scratch: Path) -> List[Any]:
+        from .hf_chat import read_conversations
+
+        return list(read_conversations([shard], self.columns, scratch))
+
+    def _conversations(self, state: StreamState) -> Iterator[Tuple[StreamState, np.ndarray, np.ndarray]]:
+        """(state, ids, trained) of each kept conversation of the state's epoch from its conversation on."""
+        from .hf_chat import BATCH_CONVERSATIONS, encode
+
+        for shard in range(state.shard, len(self.shards)):
+            records = self.documents(state.epoch, shard)
+            for first in range(state.doc if shard == state.shard else 0, len(records), BATCH_CONVERSATIONS):
+                batch = records[first:first + BATCH_CONVERSATIONS]
+                for doc, (ids, trained) in enumerate(encode(self.tokenizer, self.template, batch, self.train_on),
+                                                     first):
+                    ids, trained = ids[:self.max_length], trained[:self.max_length]
+                    if trained.any():
+                        yield StreamState(state.epoch, shard, doc, 0), ids, trained
+
+    def blocks(self, position: int, state: StreamState) -> Iterator[Tuple[int, StreamState, List[Any]]]:
+        while True:
+            made, pending, used, at = 0, [], 0, state
+            for here, ids, trained in self._conversations(state):
+                if not self.packing or (pending and used + ids.size > self.block_size):
+                    if pending:
+                        yield position, at, pending
+                        position, made, pending, used = position + 1, made + 1, [], 0
+                if not pending:
+                    at = here
+                pending.append((ids, trained))
+                used += ids.size
+            if pending:
+                yield position, at, pending
+                position, made = position + 1, made + 1
+            if made == 0 and state == StreamState(state.epoch, 0, 0, 0):
+                raise ConfigError("data.files: no conversation with a trained token to stream")
+            state = StreamState(state.epoch + 1, 0, 0, 0)
+
+    def sample(self, parts: List[Tuple[np.ndarray, np.ndarray]]) -> Dict[str, torch.Tensor]:
+        from .hf_chat import conversation_sample, packed_sample
+
+        return packed_sample(parts, self.block_size, self.pad_id) if self.packing else conversation_sample(*parts[0])
+
+    def _pad(self, samples: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+        from .hf_chat import pad_collate
+
+        return pad_collate(samples, self.pad_id)
+
+
+class StreamingDataset(Dataset):
+    """Sample p: item p of the stream (``stream.sample`` of it), read by a thread of the rank."""
+
     streaming = True
-    sample_keys = ("input_ids", "targets")
 
-    def __init__(self, stream: TextStream, hold: int = HOLD):
+    def __init__(self, stream: ShardedStream, hold: int = HOLD):
         self.stream, self.hold = stream, hold
         self.block_size, self.tokenizer = stream.block_size, stream.tokenizer
-        self.vocab_size = stream.tokenizer.vocab_size
+        self.vocab_size, self.sample_keys = stream.tokenizer.vocab_size, stream.sample_keys
+        self.items_are_tokens = isinstance(stream, TextStream)  # a causal LM's blocks of tokens
+        if getattr(stream, "collate", None) is not None:  # conversations of their own lengths: padded
+            self.collate = stream.collate
         self._cond = threading.Condition()
         self._blocks: Dict[int, Tuple[StreamState, np.ndarray]] = {}
         self._marks: "OrderedDict[int, StreamState]" = OrderedDict({0: StreamState(0, 0, 0, 0)})
@@ -160,9 +253,7 @@ class StreamingText(Dataset):
         return STREAMED
 
     def __getitem__(self, position: int) -> Dict[str, torch.Tensor]:
-        _, block = self._block(int(position))
-        chunk = torch.from_numpy(block.astype(np.int64))
-        return {"input_ids": chunk[:-1], "targets": chunk[1:]}
+        return self.stream.sample(self._block(int(position))[1])
 
     def state_at(self, position: int) -> StreamState:
         """The stream's state at block ``position``'s start (read up to it if need be): what a checkpoint holds."""
@@ -234,7 +325,7 @@ class StreamingText(Dataset):
                         self._cond.wait()  # far enough ahead: wait for the rank to ask further
                     if generation != self._generation:
                         return
-                    self._blocks[p] = (at, block.copy())  # positions in increasing order: the oldest first
+                    self._blocks[p] = (at, block)  # positions in increasing order: the oldest first
                     self._next = p + 1
                     while next(iter(self._blocks)) < self._asked - self.hold:
                         del self._blocks[next(iter(self._blocks))]
@@ -250,7 +341,7 @@ class StreamingText(Dataset):
                     self._cond.notify_all()
 
 
-_OPEN: "weakref.WeakSet[StreamingText]" = weakref.WeakSet()
+_OPEN: "weakref.WeakSet[StreamingDataset]" = weakref.WeakSet()
 
 
 @atexit.register
@@ -274,7 +365,7 @@ def streaming_nodes(data: Mapping[str, Any]) -> Dict[str, Mapping[str, Any]]:
 
 
 def check_streaming(cfg: Config) -> None:
-    """data.streaming (or a blend source's): hf_text only; what needs the whole corpus up front is refused.
+    """data.streaming (or a blend source's): hf_text and hf_chat; what needs the whole corpus up front is refused.
     (trainer.max_steps, which a stream needs, its epoch not known until read, is an integer in every run:
     check_trainer.)"""
     from .mixture import is_blend
@@ -286,11 +377,8 @@ def check_streaming(cfg: Config) -> None:
     for key, node in streaming_nodes(data).items():
         require(node.get("streaming") is True, f"{key}.streaming", node.get("streaming"), "must be true or false")
         target = node.get("_target_") if key == "data" else node.get("kind")
-        require(target not in CHAT_TARGETS + ("hf_chat",), f"{key}.streaming", True,
-                "is not built for hf_chat yet: its conversations are tokenized once into its cache; set "
-                f"{key}.streaming=false")
-        require(target in TARGETS + ("hf_text",), f"{key}.streaming", True,
-                "streams hf_text's files only (data=tokens is already read as it goes)")
+        require(target in TARGETS + CHAT_TARGETS + ("hf_text", "hf_chat"), f"{key}.streaming", True,
+                "streams hf_text's and hf_chat's files only (data=tokens is already read as it goes)")
         fraction = node.get("val_fraction", 0.0)
         require(not fraction, f"{key}.val_fraction", fraction, "must be 0 with streaming: the held-out documents "
                 "are chosen by their index in the whole corpus, which a stream does not know up front")
