@@ -109,6 +109,11 @@ def test_without_shuffle_the_stream_is_the_prepared_file_epoch_after_epoch(corpu
     for step in (1, blocks // GLOBAL + 1, steps):  # the first step, one across the wrap, the last
         assert samples(plan, step) == samples(tokens, step), step
     assert plan.blend.describe()["stream"]["length"] == "streamed: not known until read"
+    # a small window asked far ahead, then behind it: read on (dropping what passes), then again from a mark
+    stream = plan.blend.datasets[0]
+    stream.hold = 8
+    for position in (3 * blocks + 5, 40, 41, 2 * blocks + 1):
+        assert torch.equal(stream[position]["input_ids"], tokens.blend[position % blocks]["input_ids"]), position
 
 
 def test_shuffled_ranks_read_the_one_process_batches_and_a_checkpoint_resumes_the_stream(corpus):

@@ -327,7 +327,7 @@ class StreamingDataset(Dataset):
                         return
                     self._blocks[p] = (at, block)  # positions in increasing order: the oldest first
                     self._next = p + 1
-                    while next(iter(self._blocks)) < self._asked - self.hold:
+                    while self._blocks and next(iter(self._blocks)) < self._asked - self.hold:
                         del self._blocks[next(iter(self._blocks))]
                     if p % MARK == 0:
                         self._marks[p] = at
