@@ -109,7 +109,7 @@ def main() -> None:
                                "first_step_s": prep["exit_s"] + run["first_step_s"]}
         if args.cached:
             results["cached"] = train(tmp, "cached", ["data=hf_text", listing, f"data.cache_dir={tmp / 'cache'}"])
-    print(f"\n| path | launch -> first step (s) | peak RSS of the training process (MiB) | run_host_peak_mb |")
+    print("\n| path | launch -> first step (s) | peak RSS of the training process (MiB) | run_host_peak_mb |")
     print("|---|---|---|---|")
     for path, r in results.items():
         extra = f" (prepare {r['prepare_s']:.1f} s + train {r['first_step_s'] - r['prepare_s']:.1f} s)" \

@@ -145,6 +145,7 @@ def test_a_chat_stream_is_the_cached_conversations_and_resumes_past_its_epoch(co
     def chat_config(source: dict, steps: int = STEPS, shuffle: bool = True):
         cfg = config(root, {"chat": source}, steps=steps, shuffle=shuffle)
         cfg.data["block_size"] = 160  # a conversation's template and answer: 2 or 3 to a packed block
+        cfg.data["vocab_size"] = 261  # the bytes tokenizer and the default template's two markers
         return cfg
 
     cache = build_dataset(chat_config(cached).data).datasets[0]
@@ -196,6 +197,14 @@ def test_what_a_stream_cannot_do_is_refused_naming_the_key(corpus, change, messa
     with pytest.raises(ConfigError) as err:
         validate(cfg, 1)
     assert str(err.value).startswith(message)
+
+
+def test_ids_beyond_the_models_vocabulary_are_named_as_they_are_read(corpus):
+    cfg = config(corpus["root"], {"text": text(corpus["small"], streaming=True)})
+    cfg.data["vocab_size"] = 256  # the bytes tokenizer's end-of-text is 256
+    plan = plan_of(cfg)
+    with pytest.raises(ConfigError, match=r"data\.sources\.text\.files: token id 256 is beyond model\.vocab_size=256"):
+        plan.blend[0]
 
 
 def test_prepare_in_processes_writes_the_one_process_file(corpus, tmp_path):

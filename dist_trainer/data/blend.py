@@ -37,7 +37,7 @@ class Blend(Dataset):
     def __init__(self, names: Sequence[str], datasets: Sequence[Dataset], kinds: Sequence[str],
                  standalone: bool = False):
         self.names, self.datasets, self.kinds = list(names), list(datasets), list(kinds)
-        # data=hf_text data.streaming=true alone: a blend of one, its samples as the source gives them (no source
+        # data.streaming=true alone (hf_text, hf_chat): a blend of one, its samples as the source gives them (no source
         # column, no per-source figures), its order a BlendPlan's like any streaming source's
         self.standalone = standalone
         self.streams = [bool(getattr(d, "streaming", False)) for d in datasets]
@@ -159,6 +159,8 @@ def _check_vocabularies(names: Sequence[str], datasets: Sequence[Dataset], model
     for name, dataset in zip(names, datasets):  # token files check their ids as they open; text tokenized here too
         if isinstance(dataset, TokenFile) and type(dataset) is not TokenFile:
             dataset._check_vocab(int(model_vocab), f"data.sources.{name}.files")
+        elif getattr(dataset, "streaming", False):  # a stream: each batch of ids as it is tokenized
+            dataset.stream.check_ids(int(model_vocab), f"data.sources.{name}.files")
 
 
 def blend(sources: Dict[str, Any], block_size: int, tokenizer: str = "bytes", vocab_size: Optional[int] = None,

@@ -77,6 +77,17 @@ class ShardedStream:
     def __init__(self, shards: Sequence[Tuple[Path, str]], tokenizer: Any, block_size: int):
         self.shards, self.tokenizer, self.block_size = list(shards), tokenizer, block_size
         self.seed, self.name, self.shuffle = 0, "stream", False  # the order's keys: BlendPlan's (keyed_by)
+        self.vocab: Optional[Tuple[int, str]] = None  # (the model's vocabulary, the key naming the files)
+
+    def check_ids(self, vocab_size: int, key: str) -> None:
+        """Ids at or beyond ``vocab_size`` (the model's) are a ConfigError naming ``key``, found as they are read."""
+        self.vocab = (vocab_size, key)
+
+    def _checked(self, ids: np.ndarray) -> np.ndarray:
+        if self.vocab is not None and ids.size and int(ids.max()) >= self.vocab[0]:
+            raise ConfigError(f"{self.vocab[1]}: token id {int(ids.max())} is beyond model.vocab_size="
+                              f"{self.vocab[0]}: set model.vocab_size to the tokenizer's ({self.tokenizer.vocab_size})")
+        return ids
 
     def read(self, shard: Tuple[Path, str], scratch: Path) -> List[Any]:
         raise NotImplementedError
@@ -144,7 +155,7 @@ class TextStream(ShardedStream):
             where: List[Tuple[int, int]] = []  # each one's (shard, doc)
             head, made = state.offset, 0
             for shard, first, ids, lengths in self._batches(state):
-                tokens = np.insert(ids.astype(self.dtype), np.cumsum(lengths), eos)  # end-of-text after each
+                tokens = self._checked(np.insert(ids.astype(self.dtype), np.cumsum(lengths), eos))  # eos after each
                 keep = int(np.searchsorted(starts, head, side="right")) - 1 if starts.size else 0
                 cut = int(starts[keep]) if starts.size else 0  # drop what is passed, the head's document kept
                 starts = np.concatenate([starts[keep:] - cut, buf.size - cut + np.concatenate(
@@ -192,7 +203,7 @@ class ChatStream(ShardedStream):
                 batch = records[first:first + BATCH_CONVERSATIONS]
                 for doc, (ids, trained) in enumerate(encode(self.tokenizer, self.template, batch, self.train_on),
                                                      first):
-                    ids, trained = ids[:self.max_length], trained[:self.max_length]
+                    ids, trained = self._checked(ids[:self.max_length]), trained[:self.max_length]
                     if trained.any():
                         yield StreamState(state.epoch, shard, doc, 0), ids, trained
 
