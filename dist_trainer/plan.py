@@ -350,7 +350,10 @@ def plan_report(cfg: Config, world_size: int, local_world_size: Optional[int] = 
            f"export)"] if numbers.get("run_host_peak_mb") is not None else []),
         f"  a checkpoint's copy in host memory per rank under trainer.ckpt_async=true: "
         f"{numbers['ckpt_staging_mb']:.2f} MiB (ckpt_staging_mb; the model in FP32 and the optimizer state)",
-        *(mixture.plan_lines(step_plan.mixture, dataset.lengths, dataset.kinds, plan.max_steps)
+        *([f"  dataset {mixture.NOT_KNOWN} (data.streaming=true): {plan.max_steps} steps "
+           f"of {plan.global_batch_size} samples, {plan.max_steps * plan.global_batch_size:,} in all"]
+          if getattr(dataset, "standalone", False) else
+          mixture.plan_lines(step_plan.mixture, dataset.lengths, dataset.kinds, plan.max_steps)
           if isinstance(step_plan, BlendPlan) else
           [f"  dataset {len(dataset):,} samples: {step_plan.steps_per_epoch} optimizer steps per epoch "
            f"(data.drop_last={cfg.data.get('drop_last', False)}); {plan.max_steps} steps = {epochs:.2f} epochs "

@@ -113,7 +113,7 @@ def startup_report(plan: BatchPlan, env: DistEnv, cfg: Config, model: nn.Module,
         f"model {getattr(model, 'name', cfg.model['_target_'])}: {params:,} parameters | data {cfg.data['_target_']}: "
         + (f"{step_plan.num_samples} samples, {step_plan.steps_per_epoch} optimizer steps per epoch"
            if not hasattr(step_plan, "mixture") else  # data=blend: no epoch of the whole
-           f"{step_plan.num_samples} samples in sources {', '.join(step_plan.mixture.names)}, each wrapping on its own "
+           f"sources {step_plan.describe_sources()}, each wrapping on its own "
            "(plan mode prints each one's share and epochs)")
         + moe_line(model, plan)
         + (f"\noptimizer: {line}" if (line := optimizer_line(list(model.named_parameters()), cfg.optim)) else "")
@@ -351,6 +351,8 @@ def _train(cfg: Config, plan: BatchPlan, env: DistEnv, run_dir: Path, watch: Wat
         saves.close()
         stop.close()
         outputs.close()
+        if isinstance(parts.train_set, Blend):  # a streaming source's reader stops reading ahead
+            parts.train_set.close()
     watch.begin("final", position.step)
     # Every rank walks the model tensor by tensor; rank 0 writes final_model.pt and hf_model/.
     with hostmem.PhasePeak() as export:  # what writing the final model adds to this rank's memory

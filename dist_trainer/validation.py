@@ -18,6 +18,7 @@ from .config import (ACCUM_SYNCS, LOGGER_PACKAGES, LOGGERS, LR_SCALINGS, NONFINI
                      RESHARDS, SCHEDULES, STRATEGIES, BatchConfig, BatchPlan, Config, ConfigError, MeshShape,
                      derive_batch, derive_mesh, require, resolve_reshard, scaled_lr)
 from .data.mixture import check_blend, check_blend_mesh
+from .data.streaming import check_streaming
 from .models.loss import check_loss
 from .moe.ep import check_ep_size
 from .moe.routing import check_moe
@@ -113,7 +114,9 @@ def check_optim_state(cfg: Config) -> None:
 def check_trainer(cfg: Config) -> None:
     """``trainer.*``: the run's length, cadences, checkpoints and device."""
     t = cfg.trainer
-    require(t.max_steps >= 1, "trainer.max_steps", t.max_steps, "must be >= 1")
+    # (an integer always: a streamed corpus's epoch is not known until read, and the run is as long as this says)
+    require(isinstance(t.max_steps, int) and not isinstance(t.max_steps, bool) and t.max_steps >= 1,
+            "trainer.max_steps", t.max_steps, "must be an integer >= 1")
     require(isinstance(t.compile, bool), "trainer.compile", t.compile, "must be true or false")
     require(t.log_every >= 1, "trainer.log_every", t.log_every, "must be >= 1")
     require(t.eval_every >= 0, "trainer.eval_every", t.eval_every, "must be >= 0 (0 disables)")
@@ -194,9 +197,6 @@ def check_data(cfg: Config) -> None:
             "must be true or false")
     workers = data.get("num_workers", 0)
     require(isinstance(workers, int) and workers >= 0, "data.num_workers", workers, "must be an integer >= 0")
-    require(not data.get("streaming"), "data.streaming", data.get("streaming"),
-            "is not built yet: hf_text and hf_chat tokenize once into their cache (python -m dist_trainer.prepare "
-            "writes token files for data=tokens or a blend's kind=tokens sources)")
     prefetch = data.get("prefetch_factor")
     require(prefetch is None or (isinstance(prefetch, int) and prefetch >= 1), "data.prefetch_factor", prefetch,
             "must be null (2 per worker) or an integer >= 1 (micro-batches each DataLoader worker keeps ready)")
@@ -223,7 +223,8 @@ def check_optimizer_cuts(cfg: Config, mesh: MeshShape) -> None:
 
 # Each feature's checks, in the order they run. The keys alone, before the mesh is derived:
 KEY_CHECKS = (check_precision, check_batch, check_optim, check_muon, check_optim_state, check_trainer, check_dist,
-              check_tp, check_loggers, check_data, check_blend, check_pp, check_moe, check_task, check_publish)
+              check_tp, check_loggers, check_data, check_blend, check_streaming, check_pp, check_moe, check_task,
+              check_publish)
 # The keys against the mesh, once it is derived:
 MESH_CHECKS = (check_ep_size, check_cp, check_loss, check_fp8, check_optimizer_cuts, check_task_mesh,
                check_blend_mesh)

@@ -185,9 +185,11 @@ def test_the_models_per_row_sums_add_up_to_their_loss():
         assert torch.allclose(per_row["sample_loss_sum"][1], one, rtol=1e-6)
 
 
-def test_streaming_is_refused_naming_the_key(files):
+def test_streaming_is_a_sources_key(files):
+    """data.streaming on the blend itself is refused: each hf_text source says whether it streams
+    (tests/test_streaming.py)."""
     cfg = blend_config(files, 10, streaming=True)
-    with pytest.raises(ConfigError, match=r"data\.streaming=True: is not built yet"):
+    with pytest.raises(ConfigError, match=r"data\.streaming=True: is a source's key in a blend"):
         validate(cfg, 1)
 
 

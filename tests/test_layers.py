@@ -72,7 +72,7 @@ def test_validation_runs_the_features_checks_in_the_documented_order():
         "validation.check_precision", "validation.check_batch", "validation.check_optim", "optim.muon.check_muon",
         "validation.check_optim_state", "validation.check_trainer", "validation.check_dist",
         "parallel.checks.check_tp", "validation.check_loggers", "validation.check_data", "data.mixture.check_blend",
-        "parallel.checks.check_pp",
+        "data.streaming.check_streaming", "parallel.checks.check_pp",
         "moe.routing.check_moe", "rl.checks.check_task", "rl.checks.check_publish"]
     assert isinstance(validation.MESH_CHECKS, tuple)
     assert names(validation.MESH_CHECKS) == [

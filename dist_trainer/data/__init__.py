@@ -8,6 +8,7 @@
 ``tokenizer``        the one tokenizer loader: bytes, or a ``tokenizers`` file; BPE training
 ``train_tokenizer``  ``python -m dist_trainer.tokenizer``: a BPE tokenizer trained on local files
 ``hf_text``          ``data=hf_text``: local text files read with Hugging Face ``datasets``
+``streaming``        ``data.streaming=true``: hf_text's files tokenized by a reader thread as the run reads
 ``hf_chat``          ``data=hf_chat``: conversations, the loss on the answers only
 ``hf_preference``    ``data=hf_preference``: preference pairs for DPO, a batch of the chosen rows then the rejected
 ``mixture``          ``data=blend``'s arithmetic: weights and schedules, each source's count per step, its keys' checks

@@ -28,15 +28,20 @@ from torch.utils.data import Dataset, default_collate
 
 from ..config import BatchPlan, Config, ConfigError
 from .loader import SampleOrder, Window, hash_key
-from .mixture import SOURCE_KEYS, TARGETS, Mixture, changed_key, schedules_of, sources_of
+from .mixture import NOT_KNOWN, SOURCE_KEYS, TARGETS, Mixture, changed_key, schedules_of, sources_of
 
 
 class Blend(Dataset):
     """The sources end to end, each sample with its ``source`` index."""
 
-    def __init__(self, names: Sequence[str], datasets: Sequence[Dataset], kinds: Sequence[str]):
+    def __init__(self, names: Sequence[str], datasets: Sequence[Dataset], kinds: Sequence[str],
+                 standalone: bool = False):
         self.names, self.datasets, self.kinds = list(names), list(datasets), list(kinds)
-        self.lengths = [len(d) for d in datasets]
+        # data.streaming=true alone (hf_text, hf_chat): a blend of one, its samples as the source gives them (no source
+        # column, no per-source figures), its order a BlendPlan's like any streaming source's
+        self.standalone = standalone
+        self.streams = [bool(getattr(d, "streaming", False)) for d in datasets]
+        self.lengths = [len(d) for d in datasets]  # a stream's: STREAMED, its positions not known until read
         self.offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
         self._starts = self.offsets.tolist()  # plain ints: bisect on a handful is faster than numpy
         self._ids = [torch.tensor(k, dtype=torch.long) for k in range(len(datasets))]  # never written to
@@ -56,20 +61,30 @@ class Blend(Dataset):
     def __getitem__(self, index: int) -> Dict[str, Any]:
         k = self.source_of(index)
         sample = self.datasets[k][index - self._starts[k]]
+        if self.standalone:
+            return sample
         if not isinstance(sample, Mapping):
             raise TypeError(f"data.sources.{self.names[k]}: a blend's samples are dicts of tensors "
                             f"(got {type(sample).__name__})")
         return {**sample, "source": self._ids[k]}
 
     def collate(self, samples: List[Dict[str, Any]]) -> Dict[str, Any]:
+        if self.standalone:
+            return self._collate(samples)
         source = torch.stack([s["source"] for s in samples])
         batch = self._collate([{k: v for k, v in s.items() if k != "source"} for s in samples])
         return {**batch, "source": source}
 
+    def close(self) -> None:
+        """Stop the streaming sources' readers (the run is over)."""
+        for dataset, stream in zip(self.datasets, self.streams):
+            if stream:
+                dataset.close()
+
     def describe(self) -> Dict[str, Dict[str, Any]]:
         """What a checkpoint records of the sources: a resume compares it with its own (mixture.changed_key)."""
-        return {name: {"kind": kind, "length": length}
-                for name, kind, length in zip(self.names, self.kinds, self.lengths)}
+        return {name: {"kind": kind, "length": NOT_KNOWN if stream else length}
+                for name, kind, length, stream in zip(self.names, self.kinds, self.lengths, self.streams)}
 
 
 def _source_key(name: str) -> Callable[[str], str]:
@@ -144,6 +159,8 @@ def _check_vocabularies(names: Sequence[str], datasets: Sequence[Dataset], model
     for name, dataset in zip(names, datasets):  # token files check their ids as they open; text tokenized here too
         if isinstance(dataset, TokenFile) and type(dataset) is not TokenFile:
             dataset._check_vocab(int(model_vocab), f"data.sources.{name}.files")
+        elif getattr(dataset, "streaming", False):  # a stream: each batch of ids as it is tokenized
+            dataset.stream.check_ids(int(model_vocab), f"data.sources.{name}.files")
 
 
 def blend(sources: Dict[str, Any], block_size: int, tokenizer: str = "bytes", vocab_size: Optional[int] = None,
@@ -162,7 +179,9 @@ def blend(sources: Dict[str, Any], block_size: int, tokenizer: str = "bytes", vo
         return None
     names, datasets = list(nodes), [built[name] for name in nodes]
     _check_vocabularies(names, datasets, vocab_size)
-    keys = [set(d[0]) if isinstance(d[0], Mapping) else None for d in datasets]
+    # a stream's keys as it declares them: its first block is read when the run asks (a resume never reads it)
+    keys = [set(d.sample_keys) if getattr(d, "streaming", False) else set(d[0]) if isinstance(d[0], Mapping)
+            else None for d in datasets]
     for name, k in zip(names[1:], keys[1:]):
         if k != keys[0]:
             raise ConfigError(f"data.sources.{name}: its samples hold {sorted(k or [])}, the first source's "
@@ -181,6 +200,9 @@ class BlendPlan:
         self.blend, self.mixture, self.plan, self.rank = blend_set, mixture, plan, rank
         self.seed, self.shuffle, self.allow_change = seed, shuffle, allow_change
         self.num_samples = len(blend_set)
+        for name, dataset, stream in zip(blend_set.names, blend_set.datasets, blend_set.streams):
+            if stream:  # its order is keyed like the others' (seed, its name); its window holds two steps at least
+                dataset.keyed_by(name, seed, shuffle, 2 * plan.global_batch_size)
         self.drop_last = False
         # The last steps' samples and the sources' epochs in use: the sampler and the loop both ask for a step's
         # window, and a source's epoch serves many steps.
@@ -189,7 +211,10 @@ class BlendPlan:
 
     @classmethod
     def for_config(cls, blend_set: Blend, cfg: Config, plan: BatchPlan, rank: int) -> "BlendPlan":
-        names, schedules = schedules_of(cfg.data)
+        if blend_set.standalone:  # data.streaming=true alone: one source, every sample of every step
+            names, schedules = blend_set.names, [[(1, 1.0)]]
+        else:
+            names, schedules = schedules_of(cfg.data)
         mixture = Mixture(names, schedules, plan.global_batch_size)
         return cls(blend_set, mixture, plan, rank, cfg.trainer.seed, cfg.data.get("shuffle", True),
                    bool((cfg.data.get("blend") or {}).get("allow_change", False)))
@@ -227,6 +252,9 @@ class BlendPlan:
                 continue
             n = self.blend.lengths[k]
             positions = np.arange(before, before + count, dtype=np.int64)
+            if self.blend.streams[k]:  # a stream's position p is its block p, epochs its own (streaming.py)
+                parts.append(positions + self.blend.offsets[k])
+                continue
             epochs = positions // n
             indices = np.empty(count, dtype=np.int64)
             for epoch in np.unique(epochs).tolist():  # a source that wraps inside the step: two epochs' orders
@@ -251,7 +279,17 @@ class BlendPlan:
     def checkpoint_state(self, step: int) -> Dict[str, Any]:
         """The blend as this run has it, and each source's position after ``step`` (also derivable from the
         step: ``resume_from`` checks that they agree)."""
-        return {"sources": self.describe(), **self.mixture.state(step)}
+        state = self.mixture.state(step)
+        # a stream's state at its position after the step: a resume seeks there, tokenizing nothing before it
+        streams = {name: {"position": state["taken"][name], "state": list(dataset.state_at(state["taken"][name]))}
+                   for name, dataset, stream in zip(self.blend.names, self.blend.datasets, self.blend.streams)
+                   if stream}
+        return {"sources": self.describe(), **state, "streams": streams}
+
+    def describe_sources(self) -> str:
+        """Each source and its samples, for the start-up line: ``web (40 samples), text (streamed: ...)``."""
+        return ", ".join(f"{name} ({NOT_KNOWN if stream else f'{length} samples'})" for name, length, stream
+                         in zip(self.blend.names, self.blend.lengths, self.blend.streams))
 
     def describe(self) -> Dict[str, Dict[str, Any]]:
         weights = dict(zip(self.mixture.names, self.mixture.schedules))
@@ -275,6 +313,7 @@ class BlendPlan:
             if derived["taken"] != saved["taken"]:
                 raise RuntimeError(f"step {step}: the blend's positions derived from the step {derived['taken']} "
                                    f"differ from the checkpoint's {saved['taken']}")
+            self._seek_streams(saved)
             return
         key, why = change
         if not self.allow_change:
@@ -284,6 +323,14 @@ class BlendPlan:
         # The new mixture's rounding starts afresh (carries 0); each kept source goes on from its position.
         self.mixture = Mixture(self.mixture.names, self.mixture.schedules, self.mixture.total,
                                (step, taken, [0.0] * len(taken)))
+        self._seek_streams(saved or {})
+
+    def _seek_streams(self, saved: Dict[str, Any]) -> None:
+        """Each streaming source to its saved state, at its saved position (a new one starts at its beginning)."""
+        streams = saved.get("streams", {})
+        for name, dataset, stream in zip(self.blend.names, self.blend.datasets, self.blend.streams):
+            if stream and name in streams and streams[name]["position"] == saved["taken"].get(name):
+                dataset.seek(streams[name]["position"], streams[name]["state"])
 
 
 def plan_for(train_set: Dataset, cfg: Config, plan: BatchPlan, rank: int) -> Any:
@@ -375,4 +422,5 @@ def _row_tokens(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
 
 def source_figures(train_set: Dataset) -> NoSources:
     """The step's per-source figures for ``train_set`` (none unless it is a blend)."""
-    return SourceFigures(train_set.names) if isinstance(train_set, Blend) else NoSources()
+    return SourceFigures(train_set.names) if isinstance(train_set, Blend) and not train_set.standalone \
+        else NoSources()

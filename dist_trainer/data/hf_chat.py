@@ -25,7 +25,8 @@ token within its conversation (its packed-sequence detection, used when no
 attention mask is given), so a packed block's summed loss is the sum of its
 conversations' losses.
 
-Tokenized once into the cache, like data=hf_text: ``<cache>/hf_chat/<key>``.
+Tokenized once into the cache, like data=hf_text: ``<cache>/hf_chat/<key>``; or, with ``streaming``, as the run
+reads (``streaming.ChatStream``: the same samples, no cache).
 """
 
 from __future__ import annotations
@@ -311,22 +312,31 @@ class Conversations(Dataset):
         return np.asarray(ids[start:end], dtype=np.int64), np.asarray(trained[start:end], dtype=bool)
 
     def __getitem__(self, index: int) -> Dict[str, torch.Tensor]:
-        ids, trained = self.conversation(int(index))
-        labels = np.where(trained, ids, IGNORE_INDEX)
-        return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels)}
+        return conversation_sample(*self.conversation(int(index)))
 
     def collate(self, samples: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
-        """Right padding to the longest: the padding is never attended to and carries no loss."""
-        longest = max(s["input_ids"].numel() for s in samples)
-        batch = {"input_ids": torch.full((len(samples), longest), self.pad_id, dtype=torch.long),
-                 "labels": torch.full((len(samples), longest), IGNORE_INDEX, dtype=torch.long),
-                 "attention_mask": torch.zeros((len(samples), longest), dtype=torch.long)}
-        for row, sample in enumerate(samples):
-            n = sample["input_ids"].numel()
-            batch["input_ids"][row, :n] = sample["input_ids"]
-            batch["labels"][row, :n] = sample["labels"]
-            batch["attention_mask"][row, :n] = 1
-        return batch
+        return pad_collate(samples, self.pad_id)
+
+
+def conversation_sample(ids: np.ndarray, trained: np.ndarray) -> Dict[str, torch.Tensor]:
+    """One conversation's sample: its ids, and as labels those it trains on."""
+    ids = ids.astype(np.int64)
+    labels = np.where(trained.astype(bool), ids, IGNORE_INDEX)
+    return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels)}
+
+
+def pad_collate(samples: List[Dict[str, torch.Tensor]], pad_id: int) -> Dict[str, torch.Tensor]:
+    """Right padding to the longest: the padding is never attended to and carries no loss."""
+    longest = max(s["input_ids"].numel() for s in samples)
+    batch = {"input_ids": torch.full((len(samples), longest), pad_id, dtype=torch.long),
+             "labels": torch.full((len(samples), longest), IGNORE_INDEX, dtype=torch.long),
+             "attention_mask": torch.zeros((len(samples), longest), dtype=torch.long)}
+    for row, sample in enumerate(samples):
+        n = sample["input_ids"].numel()
+        batch["input_ids"][row, :n] = sample["input_ids"]
+        batch["labels"][row, :n] = sample["labels"]
+        batch["attention_mask"][row, :n] = 1
+    return batch
 
 
 def pack(lengths: np.ndarray, block_size: int) -> List[Tuple[int, int]]:
@@ -361,14 +371,20 @@ class PackedConversations(Dataset):
     def __getitem__(self, index: int) -> Dict[str, torch.Tensor]:
         first, last = self.blocks[int(index)]
         parts = [self.conversations.conversation(i) for i in range(first, last)]
-        ids = np.concatenate([p[0] for p in parts])
-        labels = np.concatenate([np.where(t, i, IGNORE_INDEX) for i, t in parts])
-        positions = np.concatenate([np.arange(p[0].size) for p in parts])
-        tail = self.block_size - ids.size
-        block = {"input_ids": np.concatenate([ids, np.full(tail, self.conversations.pad_id)]),
-                 "labels": np.concatenate([labels, np.full(tail, IGNORE_INDEX)]),
-                 "position_ids": np.concatenate([positions, np.arange(tail)])}
-        return {key: torch.from_numpy(value.astype(np.int64)) for key, value in block.items()}
+        return packed_sample(parts, self.block_size, self.conversations.pad_id)
+
+
+def packed_sample(parts: List[Tuple[np.ndarray, np.ndarray]], block_size: int, pad_id: int) -> Dict[str, torch.Tensor]:
+    """Whole conversations' (ids, trained) in one block: positions restart at each; the tail is padding."""
+    parts = [(i.astype(np.int64), t.astype(bool)) for i, t in parts]  # the cache's uint32 ids: signed labels
+    ids = np.concatenate([p[0] for p in parts])
+    labels = np.concatenate([np.where(t, i, IGNORE_INDEX) for i, t in parts])
+    positions = np.concatenate([np.arange(p[0].size) for p in parts])
+    tail = block_size - ids.size
+    block = {"input_ids": np.concatenate([ids, np.full(tail, pad_id)]),
+             "labels": np.concatenate([labels, np.full(tail, IGNORE_INDEX)]),
+             "position_ids": np.concatenate([positions, np.arange(tail)])}
+    return {key: torch.from_numpy(value.astype(np.int64)) for key, value in block.items()}
 
 
 def _check_args(files: Any, block_size: Any, max_length: Any, train_on: str, split: str, task: str,
@@ -382,6 +398,15 @@ def _check_args(files: Any, block_size: Any, max_length: Any, train_on: str, spl
     if train_on not in TRAIN_ON:
         raise ConfigError(f"data.train_on={train_on!r}: choose assistant (the answers) or all (every token)")
     return files, check_lengths(block_size, max_length)
+
+
+def chat_sources(files: List[str], format: Optional[str]) -> Sources:
+    """The files, resolved, each json, jsonl or parquet."""
+    sources = resolve_files(files, format)
+    for path, fmt in sources:
+        if fmt not in FORMATS:
+            raise ConfigError(f"data.files: {path} is {fmt}; conversations are read from json, jsonl or parquet")
+    return sources
 
 
 def check_lengths(block_size: Any, max_length: Any) -> int:
@@ -399,21 +424,25 @@ def hf_chat(files: Sequence[str], block_size: int = 512, tokenizer: str = "bytes
             format: Optional[str] = None, messages_key: str = "messages", prompt_key: str = "prompt",
             completion_key: str = "completion", train_on: str = "assistant", max_length: Optional[int] = None,
             packing: bool = False, val_fraction: float = 0.0, split: str = "train", task: str = "causal_lm",
-            cache_dir: Optional[str] = None) -> Optional[Dataset]:
-    """The ``data=hf_chat`` dataset of ``split``; None for val when nothing is held out."""
+            cache_dir: Optional[str] = None, streaming: bool = False) -> Optional[Dataset]:
+    """The ``data=hf_chat`` dataset of ``split``; None for val when nothing is held out. ``streaming``: tokenized
+    as the run reads, each rank on its own (``streaming.ChatStream``)."""
     files, max_length = _check_args(files, block_size, max_length, train_on, split, task, val_fraction, format)
     if split == "val" and val_fraction == 0:
         return None
     columns = Columns(messages_key, prompt_key, completion_key)
+    if streaming:
+        from .streaming import ChatStream, StreamingDataset
+
+        tok = load_tokenizer(tokenizer, chat_template=chat_template)
+        return StreamingDataset(ChatStream(chat_sources(files, format), tok, block_size, ChatTemplate(
+            tok.chat_template, tok), columns, train_on, max_length, packing))
     builds = distributed.local_rank() == 0  # one builder per node; the node's other ranks wait in agreed()
 
     def prepare() -> Tuple[TextTokenizer, Path]:
         tok = load_tokenizer(tokenizer, chat_template=chat_template)
         template = ChatTemplate(tok.chat_template, tok)
-        sources = resolve_files(files, format)
-        for path, fmt in sources:
-            if fmt not in FORMATS:
-                raise ConfigError(f"data.files: {path} is {fmt}; conversations are read from json, jsonl or parquet")
+        sources = chat_sources(files, format)
         directory = cache_root(cache_dir) / "hf_chat" / _cache_key(sources, tok, columns, train_on, max_length,
                                                                   val_fraction)
         if builds:

@@ -294,11 +294,20 @@ def _open(directory: Path, split: str, task: str, block_size: int, tok: TextToke
 
 def hf_text(files: Sequence[str], block_size: int, tokenizer: str = "bytes", format: Optional[str] = None,
             text_key: str = "text", val_fraction: float = 0.0, split: str = "train", task: str = "causal_lm",
-            mlm_probability: float = 0.15, seed: int = 0, cache_dir: Optional[str] = None) -> Optional[Dataset]:
-    """The ``data=hf_text`` dataset of ``split``; None for val when nothing is held out."""
+            mlm_probability: float = 0.15, seed: int = 0, cache_dir: Optional[str] = None,
+            streaming: bool = False) -> Optional[Dataset]:
+    """The ``data=hf_text`` dataset of ``split``; None for val when nothing is held out.
+
+    ``streaming``: tokenized as the run reads (``streaming.py``; validation refuses what it cannot do), each
+    rank on its own, no cache; its order is keyed by the ``BlendPlan`` that reads it."""
     files = _check_args(files, block_size, val_fraction, split, task, mlm_probability)
     if split == "val" and val_fraction == 0:
         return None  # nothing held out: the run has no evaluation
+    if streaming:
+        from .streaming import StreamingDataset, TextStream
+
+        return StreamingDataset(TextStream(resolve_files(files, format), load_tokenizer(tokenizer), block_size,
+                                           text_key))
     builds = distributed.local_rank() == 0  # one builder per node; the node's other ranks wait in agreed()
 
     def prepare() -> Tuple[TextTokenizer, Path]:

@@ -39,6 +39,7 @@ from ..signals import stop_signals
 # One optimizer step on one rank: its micro-batches, each a list of dataset
 # indices; an empty list is a placeholder that contributes nothing.
 Window = List[List[int]]
+STREAM_NAME = "stream"  # a standalone streaming dataset's name, a key of its order and of its checkpoint state
 
 
 def build_dataset(node: Dict[str, Any], **overrides: Any) -> Dataset:
@@ -54,6 +55,10 @@ def build_dataset(node: Dict[str, Any], **overrides: Any) -> Dataset:
         raise
     if dataset is None and overrides.get("split") == "val":
         return None  # the dataset has no held-out part (data=tokens without data.val_path)
+    if getattr(dataset, "streaming", False):  # data.streaming=true: a one-source blend, ordered by a BlendPlan
+        from .blend import Blend
+
+        dataset = Blend([STREAM_NAME], [dataset], [node["_target_"].rsplit(".", 1)[-1]], standalone=True)
     if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
         raise TypeError(f"data._target_={node['_target_']} must return a map-style Dataset (with __len__ and __getitem__)")
     return dataset

@@ -42,6 +42,10 @@ SOURCE_KEYS = ("kind", "weight", "_target_")
 # Shared by every source: set on data, never on a source.
 SHARED_KEYS = ("block_size", "tokenizer", "vocab_size", "seed", "task")
 Points = List[Tuple[int, float]]
+# A streaming source's length in a Blend (data/streaming.py): its position p is its block p, no wrap by length;
+# what it holds is not known until read, and plan mode and describe() say so.
+STREAMED = 2**48
+NOT_KNOWN = "streamed: not known until read"
 
 
 def is_blend(data: Mapping[str, Any]) -> bool:
@@ -287,6 +291,11 @@ def plan_lines(mixture: Mixture, lengths: Sequence[int], kinds: Sequence[str], m
                   "weight " + " -> ".join(f"{w:g}@{s}" for s, w in points))
         low, high = (int(per_step.min()), int(per_step.max())) if per_step.size else (0, 0)
         share = f"{low}" if low == high else f"{low}-{high}"
+        if lengths[k] >= STREAMED:
+            lines.append(f"    {name} ({kinds[k]}, {NOT_KNOWN}): {weight}, {share} samples a step "
+                         f"({total / steps:.2f} on average, {total:,} in {steps} steps); an epoch and its wraps: "
+                         f"{NOT_KNOWN}")
+            continue
         epoch = f"{lengths[k] * steps / total:.1f} steps" if total else "never reached"
         wraps = wrap_steps(table[:, k], lengths[k], mixture.first)
         wrap_text = ("never wraps" if not wraps else "wraps at steps " + ", ".join(map(str, wraps[:show]))

@@ -22,7 +22,10 @@ the tokenizers package). The text of a special token inside a document is
 text. Batches of documents are tokenized in the library's threads
 (``--workers``), the next batch read while one is tokenized; a document longer
 than 32 K characters is tokenized in pieces, in parallel, with the ids it has
-whole. Everything is written into a temporary directory beside DIR and renamed
+whole. ``--processes N`` tokenizes the files in N processes, a file each at a
+time, and writes their ids in the order given: the same files byte for byte as
+one process (held-out documents are chosen by their index in the whole input).
+Everything is written into a temporary directory beside DIR and renamed
 to DIR only when complete: a killed prepare leaves no DIR that looks finished.
 """
 
@@ -143,8 +146,12 @@ def token_dtype(vocab_size: int) -> Any:
 
 
 def write_token_files(out: Path, batches: Iterable[List[str]], tok: "TextTokenizer", val_fraction: float,
-                      progress: bool = True, desc: str = "tokenizing") -> Dict[str, Any]:
+                      progress: bool = True, desc: str = "tokenizing",
+                      encoded: Optional[Iterable[Tuple[np.ndarray, np.ndarray, int]]] = None) -> Dict[str, Any]:
     """Each document's ids then end-of-text, into ``out/train.bin`` or (held out) ``out/val.bin``, in order.
+
+    ``encoded``: batches already tokenized (ids, each document's length, its characters), in order, written in
+    place of ``batches`` (``prepare``'s processes).
 
     The library tokenizes a batch in its own threads, without the GIL, while
     this thread reads the next batch and writes the one before: reading and
@@ -180,8 +187,11 @@ def write_token_files(out: Path, batches: Iterable[List[str]], tok: "TextTokeniz
                 counts[split][1] += int(docs.sum())
             bar.update(lengths.size)
 
+        for ids, lengths, characters in encoded or ():
+            chars += characters
+            write((ids, lengths))
         pending: deque = deque()
-        for docs in batches:
+        for docs in batches if encoded is None else ():
             pending.append(pool.submit(tok.encode_flat, docs))
             chars += sum(map(len, docs))
             if len(pending) > TOKENIZING_THREADS:  # batches in the library's hands, the oldest written meanwhile
@@ -211,9 +221,49 @@ def load(tokenizer_spec: str) -> "TextTokenizer":
         raise PrepareError(f"--tokenizer {tokenizer_spec}: {err}; or use --tokenizer bytes") from err
 
 
+def _tokenize_file(path: Path, part: Path, tokenizer_spec: str, text_key: str, split_lines: bool) -> int:
+    """One file's documents tokenized into ``part``.ids (end to end, the token dtype) and ``part``.len.npy (each
+    document's length); its characters. A process of ``prepare``'s pool."""
+    tok = load(tokenizer_spec)
+    dtype, lengths, chars = token_dtype(tok.vocab_size), [], 0
+    with open(part.with_suffix(".ids"), "wb") as f:
+        for docs in batched(documents([path], text_key, split_lines)):
+            ids, sizes = tok.encode_flat(docs)
+            f.write(ids.astype(dtype).tobytes())
+            lengths.append(sizes)
+            chars += sum(map(len, docs))
+    np.save(part.with_suffix(".len.npy"), np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64))
+    return chars
+
+
+def _tokenized(files: Sequence[Path], parts: Path, tokenizer_spec: str, text_key: str, split_lines: bool,
+               processes: int) -> Iterator[Tuple[np.ndarray, np.ndarray, int]]:
+    """The files tokenized by ``processes`` processes, one file a task, handed on in file order (the held-out
+    split hashes each document's index in the whole input, so only the order matters): batches of documents."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    dtype = token_dtype(load(tokenizer_spec).vocab_size)
+    parts.mkdir()
+    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+        tasks = [pool.submit(_tokenize_file, path, parts / f"{i:06d}", tokenizer_spec, text_key, split_lines)
+                 for i, path in enumerate(files)]
+        for i, task in enumerate(tasks):
+            chars, part = task.result(), parts / f"{i:06d}"
+            ids = np.fromfile(part.with_suffix(".ids"), dtype=dtype)
+            lengths = np.load(part.with_suffix(".len.npy"))
+            ends = np.cumsum(lengths)
+            for first in range(0, lengths.size, BATCH_DOCS):
+                last = min(first + BATCH_DOCS, lengths.size)
+                begin = int(ends[first - 1]) if first else 0
+                yield ids[begin:int(ends[last - 1])], lengths[first:last], chars if last == lengths.size else 0
+            part.with_suffix(".ids").unlink()
+            part.with_suffix(".len.npy").unlink()
+
+
 def prepare(files: Sequence[Path], out: Path, tokenizer_spec: str, val_fraction: float = 0.0,
             text_key: str = "text", split_lines: bool = False, force: bool = False,
-            progress: bool = True) -> dict:
+            progress: bool = True, processes: int = 1) -> dict:
     if not files:
         raise PrepareError("no input FILE given")
     if not 0 <= val_fraction < 1:
@@ -225,8 +275,11 @@ def prepare(files: Sequence[Path], out: Path, tokenizer_spec: str, val_fraction:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
+        encoded = (_tokenized(files, tmp / "parts", tokenizer_spec, text_key, split_lines, processes)
+                   if processes > 1 else None)
         written = write_token_files(tmp, batched(documents(files, text_key, split_lines)), tok, val_fraction,
-                                    progress)
+                                    progress, encoded=encoded)
+        shutil.rmtree(tmp / "parts", ignore_errors=True)
         if written["train"]["tokens"] == 0:
             raise PrepareError("no document went to train.bin (empty input, or --val-fraction too high)")
         meta = {"tokenizer": tok.spec, "inputs": [str(f) for f in files], "val_fraction": val_fraction, **written}
@@ -252,6 +305,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--workers", type=int, default=None,
                         help="threads the tokenizers library encodes in (default: one per CPU; "
                              "bytes needs none)")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="processes that tokenize the files, a file each at a time (the output is the same "
+                             "byte for byte); 1: this one")
     parser.add_argument("--text-key", default="text", help="field of jsonl lines, column of parquet files")
     parser.add_argument("--split-lines", action="store_true", help="each line of a .txt file is a document")
     parser.add_argument("--force", action="store_true", help="replace --out if it exists")
@@ -261,8 +317,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             if args.workers < 1:
                 raise PrepareError(f"--workers {args.workers}: must be >= 1")
             os.environ["RAYON_NUM_THREADS"] = str(args.workers)  # read when the library first encodes
+        if args.processes < 1:
+            raise PrepareError(f"--processes {args.processes}: must be >= 1")
         meta = prepare(args.files, args.out, args.tokenizer, args.val_fraction, args.text_key,
-                       args.split_lines, args.force)
+                       args.split_lines, args.force, processes=args.processes)
     except PrepareError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
