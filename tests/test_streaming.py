@@ -12,6 +12,7 @@ the straight run. The refusals name their keys; ``prepare --processes`` writes t
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -134,6 +135,15 @@ def test_shuffled_ranks_read_the_one_process_batches_and_a_checkpoint_resumes_th
     later = plan_of(config(root, sources, steps=steps))
     later.resume_from(saved, 17)
     assert all(samples(later, s) == samples(one, s) for s in range(18, steps + 1))
+    # a stream whose files changed since the checkpoint would read other blocks at the saved state: refused
+    changed = Path(corpus["small"][-1])
+    stat = changed.stat()
+    os.utime(changed, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    try:
+        with pytest.raises(ConfigError, match=r"data\.sources\.text\.files: the stream's files"):
+            plan_of(config(root, sources, steps=steps)).resume_from(saved, 17)
+    finally:
+        os.utime(changed, ns=(stat.st_atime_ns, stat.st_mtime_ns))
 
 
 @pytest.mark.parametrize("packing", [False, True])

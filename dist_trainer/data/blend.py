@@ -83,8 +83,10 @@ class Blend(Dataset):
 
     def describe(self) -> Dict[str, Dict[str, Any]]:
         """What a checkpoint records of the sources: a resume compares it with its own (mixture.changed_key)."""
-        return {name: {"kind": kind, "length": NOT_KNOWN if stream else length}
-                for name, kind, length, stream in zip(self.names, self.kinds, self.lengths, self.streams)}
+        return {name: {"kind": kind, "length": length} if not stream else
+                {"kind": kind, "length": NOT_KNOWN, "files": dataset.stream.identity()}
+                for name, kind, length, stream, dataset
+                in zip(self.names, self.kinds, self.lengths, self.streams, self.datasets)}
 
 
 def _source_key(name: str) -> Callable[[str], str]:
@@ -316,6 +318,9 @@ class BlendPlan:
             self._seek_streams(saved)
             return
         key, why = change
+        if self.blend.standalone:  # data.streaming=true alone: its files are data.files
+            raise ConfigError(f"data.files: {why}. A resume reads the stream its checkpoint read: give the same "
+                              "files (and tokenizer, data.block_size), or start a new run")
         if not self.allow_change:
             raise ConfigError(f"{key}: {why}. A resume keeps the checkpoint's blend; set "
                               "data.blend.allow_change=true to continue from this step with the new one")

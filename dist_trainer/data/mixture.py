@@ -249,6 +249,9 @@ def changed_key(saved: Mapping[str, Any], now: Mapping[str, Any]) -> Optional[Tu
         if was.get("weight") != now_.get("weight"):
             return (f"data.sources.{name}.weight", f"was {was.get('weight')} in the checkpoint, now "
                     f"{now_.get('weight')}")
+        if was.get("files") != now_.get("files"):  # a stream's files and what cuts them (streaming.identity)
+            return (f"data.sources.{name}.files", "the stream's files (paths, sizes, modification times), its "
+                    "tokenizer or its block size differ from the checkpoint's")
         if was.get("length") != now_.get("length"):
             return (f"data.sources.{name}", f"its data had {was.get('length')} samples in the checkpoint, now "
                     f"{now_.get('length')}")

@@ -92,6 +92,17 @@ class ShardedStream:
     def read(self, shard: Tuple[Path, str], scratch: Path) -> List[Any]:
         raise NotImplementedError
 
+    def options(self) -> Dict[str, Any]:
+        """What, besides the files and the tokenizer, makes its items what they are (a resume compares them)."""
+        return {"block_size": self.block_size}
+
+    def identity(self) -> str:
+        """sha256 of the shards (paths, sizes, modification times, formats), the tokenizer and ``options()``: a
+        resume whose stream would read other items is refused (mixture.changed_key)."""
+        from .hf_text import files_key
+
+        return files_key(self.shards, self.tokenizer, 1, kind=type(self).__name__, **self.options())
+
     def shard_order(self, epoch: int) -> List[int]:
         """The files' indices in epoch ``epoch``'s order."""
         n = len(self.shards)
@@ -122,6 +133,9 @@ class TextStream(ShardedStream):
         super().__init__(shards, tokenizer, block_size)
         self.text_key = text_key
         self.dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+
+    def options(self) -> Dict[str, Any]:
+        return {"block_size": self.block_size, "text_key": self.text_key}
 
     def read(self, shard: Tuple[Path, str], scratch: Path) -> List[str]:
         from .hf_text import read_documents
@@ -187,6 +201,11 @@ class ChatStream(ShardedStream):
         self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
         self.sample_keys = ("input_ids", "labels", "position_ids") if packing else ("input_ids", "labels")
         self.collate = None if packing else self._pad
+
+    def options(self) -> Dict[str, Any]:
+        return {"block_size": self.block_size, "template": self.tokenizer.chat_template,
+                "columns": [self.columns.messages, self.columns.prompt, self.columns.completion], "train_on": self.train_on, "max_length": self.max_length,
+                "packing": self.packing}
 
     def read(self, shard: Tuple[Path, str], scratch: Path) -> List[Any]:
         from .hf_chat import read_conversations
