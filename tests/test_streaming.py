@@ -142,6 +142,11 @@ def test_shuffled_ranks_read_the_one_process_batches_and_a_checkpoint_resumes_th
     try:
         with pytest.raises(ConfigError, match=r"data\.sources\.text\.files: the stream's files"):
             plan_of(config(root, sources, steps=steps)).resume_from(saved, 17)
+        allowed = config(root, sources, steps=steps)
+        allowed.data["blend"] = {"allow_change": True}  # the new files from their beginning, at the saved position
+        moved = plan_of(allowed)
+        moved.resume_from(saved, 17)
+        assert moved.blend.datasets[0].state_at(position) == StreamState(0, 0, 0, 0)
     finally:
         os.utime(changed, ns=(stat.st_atime_ns, stat.st_mtime_ns))
 

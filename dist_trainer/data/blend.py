@@ -331,11 +331,13 @@ class BlendPlan:
         self._seek_streams(saved or {})
 
     def _seek_streams(self, saved: Dict[str, Any]) -> None:
-        """Each streaming source to its saved state, at its saved position (a new one starts at its beginning)."""
-        streams = saved.get("streams", {})
+        """Each streaming source to its saved state, at its saved position (a new one starts at its beginning; one
+        whose files changed, under data.blend.allow_change, reads its new files from their beginning on from there)."""
+        streams, before = saved.get("streams", {}), saved.get("sources", {})
         for name, dataset, stream in zip(self.blend.names, self.blend.datasets, self.blend.streams):
             if stream and name in streams and streams[name]["position"] == saved["taken"].get(name):
-                dataset.seek(streams[name]["position"], streams[name]["state"])
+                same = before.get(name, {}).get("files") == dataset.stream.identity()
+                dataset.seek(streams[name]["position"], streams[name]["state"] if same else (0, 0, 0, 0))
 
 
 def plan_for(train_set: Dataset, cfg: Config, plan: BatchPlan, rank: int) -> Any:
