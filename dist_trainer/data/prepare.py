@@ -119,6 +119,11 @@ def _jsonl_line(path: Path, number: int, line: str, text_key: str) -> str:
     return str(record[text_key])
 
 
+def with_eos(ids: np.ndarray, lengths: np.ndarray, eos_id: int, dtype: Any) -> np.ndarray:
+    """A batch's token stream as the token files hold it: each document's ids, then end-of-text."""
+    return np.insert(ids.astype(dtype), np.cumsum(lengths), dtype(eos_id))
+
+
 def batched(docs: Iterable[str], max_docs: int = BATCH_DOCS, max_chars: int = BATCH_CHARS) -> Iterator[List[str]]:
     """Lists of consecutive documents, each ending at ``max_docs`` documents or ``max_chars`` characters."""
     batch: List[str] = []
@@ -161,7 +166,6 @@ def write_token_files(out: Path, batches: Iterable[List[str]], tok: "TextTokeniz
     from tqdm import tqdm
 
     dtype = token_dtype(tok.vocab_size)
-    eos = np.array([tok.eos_id], dtype=dtype)
     counts = {"train": [0, 0], "val": [0, 0]}  # tokens, documents
     digests = {split: hashlib.sha256() for split in counts}
     index, chars, started = 0, 0, time.perf_counter()
@@ -176,7 +180,7 @@ def write_token_files(out: Path, batches: Iterable[List[str]], tok: "TextTokeniz
             held = np.fromiter((held_out(index + i, val_fraction) for i in range(lengths.size)), dtype=bool,
                                count=lengths.size)
             index += lengths.size
-            stream = np.insert(ids.astype(dtype), np.cumsum(lengths), eos)  # end-of-text after each document
+            stream = with_eos(ids, lengths, tok.eos_id, dtype)
             in_val = np.repeat(held, lengths + 1)
             for split, chosen, docs in (("train", ~in_val, ~held), ("val", in_val, held)):
                 tokens = stream[chosen]

@@ -46,6 +46,7 @@ from torch.utils.data import Dataset
 from ..config import Config, ConfigError, require
 from .loader import SampleOrder, hash_key
 from .mixture import STREAMED
+from .prepare import batched, token_dtype, with_eos
 
 TARGETS = ("dist_trainer.data.hf_text.hf_text", "dist_trainer.hf.text.hf_text")
 CHAT_TARGETS = ("dist_trainer.data.hf_chat.hf_chat", "dist_trainer.hf.chat.hf_chat")
@@ -132,7 +133,7 @@ class TextStream(ShardedStream):
     def __init__(self, shards: Sequence[Tuple[Path, str]], tokenizer: Any, block_size: int, text_key: str):
         super().__init__(shards, tokenizer, block_size)
         self.text_key = text_key
-        self.dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+        self.dtype = token_dtype(tokenizer.vocab_size)
 
     def options(self) -> Dict[str, Any]:
         return {"block_size": self.block_size, "text_key": self.text_key}
@@ -151,14 +152,10 @@ class TextStream(ShardedStream):
         for shard in range(state.shard, len(self.shards)):
             docs = self.documents(state.epoch, shard)
             first = state.doc if shard == state.shard else 0
-            while first < len(docs):
-                last, chars = first, 0
-                while last < len(docs) and last - first < BATCH_DOCS and chars < BATCH_CHARS:
-                    chars += len(docs[last])
-                    last += 1
-                ids, lengths = self.tokenizer.encode_flat(docs[first:last])
+            for batch in batched(docs[first:], BATCH_DOCS, BATCH_CHARS):
+                ids, lengths = self.tokenizer.encode_flat(batch)
                 yield shard, first, ids, lengths
-                first = last
+                first += len(batch)
 
     def blocks(self, position: int, state: StreamState) -> Iterator[Tuple[int, StreamState, np.ndarray]]:
         """(position, the state at its start, its T + 1 tokens) from ``state``, block ``position``, on."""
@@ -169,7 +166,7 @@ class TextStream(ShardedStream):
             where: List[Tuple[int, int]] = []  # each one's (shard, doc)
             head, made = state.offset, 0
             for shard, first, ids, lengths in self._batches(state):
-                tokens = self._checked(np.insert(ids.astype(self.dtype), np.cumsum(lengths), eos))  # eos after each
+                tokens = self._checked(with_eos(ids, lengths, eos, self.dtype))
                 keep = int(np.searchsorted(starts, head, side="right")) - 1 if starts.size else 0
                 cut = int(starts[keep]) if starts.size else 0  # drop what is passed, the head's document kept
                 starts = np.concatenate([starts[keep:] - cut, buf.size - cut + np.concatenate(
