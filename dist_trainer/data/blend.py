@@ -315,7 +315,7 @@ class BlendPlan:
             if derived["taken"] != saved["taken"]:
                 raise RuntimeError(f"step {step}: the blend's positions derived from the step {derived['taken']} "
                                    f"differ from the checkpoint's {saved['taken']}")
-            self._seek_streams(saved)
+            self._seek_streams(saved, now)
             return
         key, why = change
         if self.blend.standalone:  # data.streaming=true alone: its files are data.files
@@ -328,15 +328,16 @@ class BlendPlan:
         # The new mixture's rounding starts afresh (carries 0); each kept source goes on from its position.
         self.mixture = Mixture(self.mixture.names, self.mixture.schedules, self.mixture.total,
                                (step, taken, [0.0] * len(taken)))
-        self._seek_streams(saved or {})
+        self._seek_streams(saved or {}, now)
 
-    def _seek_streams(self, saved: Dict[str, Any]) -> None:
+    def _seek_streams(self, saved: Dict[str, Any], now: Dict[str, Dict[str, Any]]) -> None:
         """Each streaming source to its saved state, at its saved position (a new one starts at its beginning; one
-        whose files changed, under data.blend.allow_change, reads its new files from their beginning on from there)."""
+        whose files changed, under data.blend.allow_change, reads its new files from their beginning on from there).
+        ``now``: this run's ``describe()``."""
         streams, before = saved.get("streams", {}), saved.get("sources", {})
         for name, dataset, stream in zip(self.blend.names, self.blend.datasets, self.blend.streams):
             if stream and name in streams and streams[name]["position"] == saved["taken"].get(name):
-                same = before.get(name, {}).get("files") == dataset.stream.identity()
+                same = before.get(name, {}).get("files") == now[name]["files"]
                 dataset.seek(streams[name]["position"], streams[name]["state"] if same else (0, 0, 0, 0))
 
 
