@@ -19,6 +19,7 @@ import dataclasses
 import math
 import random
 from pathlib import Path
+from typing import Callable, Optional
 
 import numpy as np
 import pytest
@@ -77,15 +78,24 @@ def _record(env, world: int, name: str, cfg) -> dict:
     from dist_trainer.run import build
 
     parts = build(cfg, validate(cfg, world), env)
-    module, rec = parts.trainer.module, {"grads": [], "outcomes": []}
+    rec = {"grads": [], "outcomes": []}
     if parts.train_set.ref_logps is not None:  # rl.reference=precomputed: the values and the files beside them
         rec["ref_logps"] = torch.from_numpy(parts.train_set.ref_logps.copy())
         rec["ref_files"] = sorted(p.name for p in Path(parts.train_set.directory).glob("ref_logps.*"))
+    return record_rl_steps(parts, rec, STEPS)
+
+
+def record_rl_steps(parts, rec: dict, steps: int, each_step: Optional[Callable[[dict], None]] = None) -> dict:
+    """``steps`` whole steps of a built run into ``rec``: each step's outcome (its RL figures too), then
+    ``each_step(rec)``, its collectives and gradients; then the weights."""
+    module = parts.trainer.module
     batches = epoch_batches(parts.train_set, parts.step_plan, 0, 0, 0, False)
-    for step, (window, micro_batches) in zip(range(1, STEPS + 1), batches):
+    for step, (window, micro_batches) in zip(range(1, steps + 1), batches):
         outcome = parts.trainer.train_step(micro_batches, window, step)
         assert not outcome.skipped
         rec["outcomes"].append({"loss": outcome.loss, "items": outcome.items, **outcome.rl})
+        if each_step is not None:
+            each_step(rec)
         rec.setdefault("comm", []).append(outcome.comm)
         rec["grads"].append({n: _full(p.grad) for n, p in module.named_parameters() if p.requires_grad})
     rec["params"] = {n: _full(p) for n, p in module.named_parameters() if p.requires_grad}

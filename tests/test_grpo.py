@@ -33,8 +33,9 @@ from dist_trainer.rl.rollout import cut
 from dist_trainer.validation import validate
 from helpers import SCALE_TOL, assert_all_close_scaled, job_record, run_jobs
 from test_accumulation import in_one_process, launch_clean
+from test_dpo import record_rl_steps
 from test_hf_chat import chat_model, write_jsonl
-from test_hf_models import _full, config
+from test_hf_models import config
 
 STEPS, PROMPTS, GROUP = 3, 2, 3
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": None}
@@ -81,18 +82,9 @@ def _record(env, world: int, name: str, cfg) -> dict:
     from dist_trainer.run import build
 
     parts = build(cfg, validate(cfg, world), env)
-    module, rec = parts.trainer.module, {"grads": [], "outcomes": [], "sampled": []}
     objective = parts.trainer.objective
-    batches = epoch_batches(parts.train_set, parts.step_plan, 0, 0, 0, False)
-    for step, (window, micro_batches) in zip(range(1, STEPS + 1), batches):
-        outcome = parts.trainer.train_step(micro_batches, window, step)
-        assert not outcome.skipped
-        rec["outcomes"].append({"loss": outcome.loss, "items": outcome.items, **outcome.rl})
-        rec["sampled"].append(objective.sampled)
-        rec.setdefault("comm", []).append(outcome.comm)
-        rec["grads"].append({n: _full(p.grad) for n, p in module.named_parameters() if p.requires_grad})
-    rec["params"] = {n: _full(p) for n, p in module.named_parameters() if p.requires_grad}
-    return rec
+    return record_rl_steps(parts, {"grads": [], "outcomes": [], "sampled": []}, STEPS,
+                           lambda rec: rec["sampled"].append(objective.sampled))
 
 
 def _worker(rank: int, world: int, jobs: list) -> dict:

@@ -45,32 +45,17 @@ def _reply(handler: BaseHTTPRequestHandler, status: int, body: dict) -> None:
     handler.wfile.write(data)
 
 
-class FakeSGLang:
-    """POST /update_weights_from_disk on 127.0.0.1 (port 0: the system's choice), in a thread of the test:
-    each announced directory loaded and recorded as (its name, its logits); ``accept=False`` replies
-    ``success: false`` without loading."""
+class LoopbackServer:
+    """JSON POST routes on 127.0.0.1 (port 0: the system's choice), served by a thread of the test inside
+    ``with``: each request's (path, body) goes to ``post``, which returns (status, reply)."""
 
-    def __init__(self, accept: bool = True):
-        self.announced: list = []
+    def __init__(self):
         server = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                if self.path == "/load_lora_adapter":  # the adapters alone: recorded as (name, their tensors)
-                    from safetensors.torch import load_file
-
-                    path = Path(body["lora_path"])
-                    server.announced.append((body["lora_name"], load_file(path / "adapter_model.safetensors")))
-                    reply, status = {"success": True}, 200
-                elif self.path != "/update_weights_from_disk" or body.get("load_format") != "auto":
-                    reply, status = {"success": False, "message": f"unexpected {self.path} {body}"}, 400
-                elif not accept:
-                    reply, status = {"success": False, "message": "refused by the test"}, 200
-                else:
-                    path = Path(body["model_path"])
-                    server.announced.append((path.name, logits_of(path)))
-                    reply, status = {"success": True, "message": "loaded"}, 200
+                status, reply = server.post(self.path, body)
                 _reply(self, status, reply)
 
             def log_message(self, *args) -> None:  # quiet
@@ -80,7 +65,10 @@ class FakeSGLang:
         self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
         self.thread = threading.Thread(target=self.http.serve_forever, daemon=True)
 
-    def __enter__(self) -> "FakeSGLang":
+    def post(self, path: str, body: dict) -> tuple:
+        raise NotImplementedError
+
+    def __enter__(self):
         self.thread.start()
         return self
 
@@ -89,72 +77,80 @@ class FakeSGLang:
         self.http.server_close()
 
 
-class FakeGroupServer:
-    """An inference server's weight routes on 127.0.0.1, in threads of the test: SGLang's
-    /init_weights_update_group and /update_weights_from_distributed (``broadcast``), vLLM's
-    /init_weight_transfer_engine, /start_weight_update, /update_weights and /finish_weight_update (``vllm``).
-    Its one worker joins the trainer's group as rank 1 (torch's TCPStore and gloo, the group's name as the
-    store's prefix) and receives each announced tensor, in order, into a version: {name: tensor}."""
+class FakeSGLang(LoopbackServer):
+    """POST /update_weights_from_disk: each announced directory loaded and recorded as (its name, its logits);
+    ``accept=False`` replies ``success: false`` without loading."""
+
+    def __init__(self, accept: bool = True):
+        super().__init__()
+        self.announced: list = []
+        self.accept = accept
+
+    def post(self, path: str, body: dict) -> tuple:
+        if path == "/load_lora_adapter":  # the adapters alone: recorded as (name, their tensors)
+            from safetensors.torch import load_file
+
+            adapter = Path(body["lora_path"])
+            self.announced.append((body["lora_name"], load_file(adapter / "adapter_model.safetensors")))
+            return 200, {"success": True}
+        if path != "/update_weights_from_disk" or body.get("load_format") != "auto":
+            return 400, {"success": False, "message": f"unexpected {path} {body}"}
+        if not self.accept:
+            return 200, {"success": False, "message": "refused by the test"}
+        model = Path(body["model_path"])
+        self.announced.append((model.name, logits_of(model)))
+        return 200, {"success": True, "message": "loaded"}
+
+
+class FakeGroupServer(LoopbackServer):
+    """An inference server's weight routes: SGLang's /init_weights_update_group and
+    /update_weights_from_distributed (``broadcast``), vLLM's /init_weight_transfer_engine, /start_weight_update,
+    /update_weights and /finish_weight_update (``vllm``). Its one worker joins the trainer's group as rank 1
+    (torch's TCPStore and gloo, the group's name as the store's prefix) and receives each announced tensor, in
+    order, into a version: {name: tensor}."""
 
     def __init__(self):
+        super().__init__()
+        self.versions: list = []
+        self.routes: list = []
+
+    def post(self, path: str, body: dict) -> tuple:
+        self.routes.append(path)
+        if path == "/init_weights_update_group":
+            self._join(body)
+        elif path == "/init_weight_transfer_engine":
+            self._join(body["init_info"])
+        elif path == "/update_weights_from_distributed":
+            self._receive(body["names"], body["dtypes"], body["shapes"])
+        elif path == "/update_weights":
+            info = body["update_info"]
+            self._receive(info["names"], info["dtype_names"], info["shapes"])
+        return 200, {"success": True}
+
+    def _join(self, info: dict) -> None:
         import datetime
 
         import torch.distributed as dist
 
-        self.versions: list = []
-        self.routes: list = []
-        server = self
+        timeout = datetime.timedelta(seconds=60)
+        store = dist.TCPStore(info["master_address"], info["master_port"], info["world_size"], is_master=False,
+                              timeout=timeout)
+        name = info.get("group_name", "dist_trainer_publish")
+        self.group = dist.ProcessGroupGloo(dist.PrefixStore(f"{name}/", store), info["rank_offset"],
+                                           info["world_size"], timeout)
+        self.store = store
 
-        def join(info: dict) -> None:
-            timeout = datetime.timedelta(seconds=60)
-            store = dist.TCPStore(info["master_address"], info["master_port"], info["world_size"], is_master=False,
-                                  timeout=timeout)
-            name = info.get("group_name", "dist_trainer_publish")
-            server.group = dist.ProcessGroupGloo(dist.PrefixStore(f"{name}/", store), info["rank_offset"],
-                                                 info["world_size"], timeout)
-            server.store = store
+    def _receive(self, names: list, dtypes: list, shapes: list) -> None:
+        import torch.distributed as dist
 
-        def receive(names: list, dtypes: list, shapes: list) -> None:
-            import torch.distributed as dist
-
-            version = {}
-            for name, dtype, shape in zip(names, dtypes, shapes):
-                tensor = torch.empty(shape, dtype=getattr(torch, dtype))
-                opts = dist.BroadcastOptions()
-                opts.rootRank = 0
-                server.group.broadcast([tensor], opts).wait()
-                version[name] = tensor
-            server.versions.append(version)
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                server.routes.append(self.path)
-                if self.path == "/init_weights_update_group":
-                    join(body)
-                elif self.path == "/init_weight_transfer_engine":
-                    join(body["init_info"])
-                elif self.path == "/update_weights_from_distributed":
-                    receive(body["names"], body["dtypes"], body["shapes"])
-                elif self.path == "/update_weights":
-                    info = body["update_info"]
-                    receive(info["names"], info["dtype_names"], info["shapes"])
-                _reply(self, 200, {"success": True})
-
-            def log_message(self, *args) -> None:  # quiet
-                pass
-
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
-        self.thread = threading.Thread(target=self.http.serve_forever, daemon=True)
-
-    def __enter__(self) -> "FakeGroupServer":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.http.shutdown()
-        self.http.server_close()
+        version = {}
+        for name, dtype, shape in zip(names, dtypes, shapes):
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            self.group.broadcast([tensor], opts).wait()
+            version[name] = tensor
+        self.versions.append(version)
 
     def logits(self, version: dict, like: Path) -> torch.Tensor:
         """The logits of a model configured as ``like`` (a hf_model/ directory) holding ``version``'s tensors."""
