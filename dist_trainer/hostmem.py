@@ -11,12 +11,16 @@ order of earlier allocations. ``trainer.tune_malloc`` fixes the thresholds, one 
   1,235 MiB of heap after three steps with 379-403 MiB in use (mallinfo2), each rank 1.6-1.9 GiB resident,
   4-6x the model's share and more than ddp holding the whole model. Neither one arena
   (MALLOC_ARENA_MAX=1) nor glibc's own settings avoided it.
-* ``bounded``: blocks from 1 MiB up (a unit's gathered parameters, its reduce-scatter buffer, large
-  activations) get their own mapping and go back to the kernel when freed, so none can be stranded in the
-  heap; smaller ones are reused. The same run peaks at 0.8-0.9 GiB per rank. The price is the large blocks'
-  page faults, the same every step: on a 2 vCPU VM that run's step took 2.0 s against 1.06 s (1.4 s with
+* ``bounded``: blocks from 64 KiB up (a unit's gathered parameters, its reduce-scatter buffer, activations
+  of a few rows) get their own mapping and go back to the kernel when freed, so none can be stranded in the
+  heap; smaller ones are reused. The same run peaks at 0.7-0.8 GiB per rank. The price is those blocks' page
+  faults, the same every step: on a 2 vCPU VM that run's step took 2.0 s against 1.06 s (1.4 s with
   transparent huge pages: ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` plus the thresholds as MALLOC_*
-  variables). Measured in docs/benchmarks.md (bench/hostmem.py, bench/run_memory.py).
+  variables). Measured in docs/benchmarks.md (bench/hostmem.py, bench/run_memory.py). The threshold was 1 MiB
+  first: blocks between 64 KiB and 1 MiB (a 768-wide model's activations of 32 tokens, its key and value
+  projections gathered) still left holes that grow with the model's width: LoRA on a 216 MiB qwen2 held 22-26
+  MiB of free heap between steps against 10-13 MiB for one half as wide, 0.07x of what the larger model adds
+  to a rank. glibc's own threshold starts at 128 KiB.
 
 ``true`` (the default) is bounded where the model is cut across ranks (fsdp, hsdp, tp, pp, ep: what sharding is
 for is memory) and reuse otherwise (ddp: its steps' blocks reuse well, 1.1 GiB either way in that run).
@@ -35,8 +39,8 @@ import platform
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 # mode: (mmap threshold, trim threshold). reuse: blocks up to 1 GiB from the heap and kept there when freed.
-# bounded: blocks from 1 MiB up in their own mappings, returned when freed; the heap's free top kept to 64 MiB.
-THRESHOLDS = {"reuse": (1 << 30, 1 << 30), "bounded": (1 << 20, 64 << 20)}
+# bounded: blocks from 64 KiB up in their own mappings, returned when freed; the heap's free top kept to 64 MiB.
+THRESHOLDS = {"reuse": (1 << 30, 1 << 30), "bounded": (64 << 10, 64 << 20)}
 
 _USER_CHOICES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES", "LD_PRELOAD")
 
@@ -47,9 +51,9 @@ def user_choice() -> str | None:
 
 
 def describe(mode: str) -> str:
-    return {"reuse": "freed blocks kept for reuse (trainer.tune_malloc=bounded returns blocks from 1 MiB up; "
+    return {"reuse": "freed blocks kept for reuse (trainer.tune_malloc=bounded returns blocks from 64 KiB up; "
                      "false keeps the system's settings)",
-            "bounded": "blocks under 1 MiB reused, larger ones returned when freed, so the steps' heap cannot "
+            "bounded": "blocks under 64 KiB reused, larger ones returned when freed, so the steps' heap cannot "
                        "fragment (trainer.tune_malloc=reuse keeps every block: no page faults, memory grows; "
                        "false keeps the system's settings)"}[mode]
 
@@ -121,10 +125,11 @@ def resident_mb() -> float | None:
 
 # What a CPU training step's libraries add to a process beyond the model's tensors, its data and what it held
 # before the model was built: the model library's import, libtorch's kernels paged in by the first step,
-# autograd's and gloo's threads and buffers, the heap's kept top. Measured with torch 2.13 and transformers on
-# 2 ranks: 121-144 MiB on the rank that holds the most, for qwen2 models of 26 and 216 MiB under ddp, fsdp and
-# tp 2 (bench/run_memory.py); it does not grow with the model.
-STEP_RUNTIME_MB = 140.0
+# autograd's and gloo's threads and buffers, the heap's kept top, and under ``reuse`` the holes its kept blocks
+# leave. Measured with torch 2.13 and transformers on 2 ranks, on the rank that holds the most, for qwen2 models
+# of 48 and 216 MiB (bench/run_memory.py, tests/test_host_memory.py): reuse (ddp) 121-144 MiB; bounded (fsdp,
+# hsdp, tp, LoRA under fsdp) 78-108 MiB. It does not grow with the model.
+STEP_RUNTIME_MB = {"reuse": 140.0, "bounded": 100.0}
 
 
 def expected_run_peak_mb(baseline_mb: float, mode: str | None, built_whole: bool, load_mb: float,
@@ -132,14 +137,15 @@ def expected_run_peak_mb(baseline_mb: float, mode: str | None, built_whole: bool
     """A rank's peak resident memory over a CPU run (``run_host_peak_mb``), from plan mode's numbers.
 
     ``baseline_mb``: what the process held with its data ready, before the model was built. On top of it the
-    step's runtime (STEP_RUNTIME_MB) and the largest of the run's phases: the load, a step at its peak (state,
+    step's runtime (STEP_RUNTIME_MB, by ``mode``) and the largest of the run's phases: the load, a step at its peak (state,
     gathered units and unsharded gradients, one micro-batch's activations), the export beside the state. Where
     freed blocks stay in the heap (``reuse``) and the model was built whole (ddp), the load's second copy (the
     pages transformers' loader maps, or DDP's bucket copy; half of ``load_mb``) is not given back, and the step
     comes on top of it.
     """
     kept = load_mb / 2 if mode == "reuse" and built_whole else 0.0
-    return baseline_mb + STEP_RUNTIME_MB + max(load_mb, kept + step_peak_mb + activation_mb, state_mb + export_mb)
+    runtime = STEP_RUNTIME_MB["bounded" if mode == "bounded" else "reuse"]  # the system's own settings: as reuse
+    return baseline_mb + runtime + max(load_mb, kept + step_peak_mb + activation_mb, state_mb + export_mb)
 
 
 _EARLIER_PEAK = 0  # bytes: the most resident memory reached before a PhasePeak reset the kernel's peak

@@ -56,15 +56,17 @@ def expected_load_bytes(cfg: Config, mesh: MeshShape, model: nn.Module, cut: Dic
 
 def expected_export_bytes(mesh: MeshShape, model: nn.Module) -> int:
     """The most host memory writing the final model may add to a rank (``final.py``): the tensors are walked one
-    at a time, so under fsdp, hsdp, tp and pp the largest one whole: an all-gather's output and input, and
-    where the parameter is placed on two mesh dimensions (tp under FSDP2, even with shard groups of one) a
-    second gather and the reordering of FSDP's strided shard, which DTensor runs one dimension after the
-    other: four copies at most. Under ddp nothing (rank 0 writes its own FP32 tensors as they are), but for
-    expert slices (dist.ep.size), each gathered whole. An upper
-    bound: memory the allocator kept from training serves part of it, so a run measures up to it."""
+    at a time, so under fsdp, hsdp, tp and pp the largest one whole: an all-gather's output and input (two
+    copies; measured under fsdp on 2 ranks: 1.0-1.1x the largest), and where the parameter is placed on two
+    mesh dimensions (tp under FSDP2, even with shard groups of one) a second gather and the reordering of
+    FSDP's strided shard, which DTensor runs one dimension after the other: four copies at most. Under ddp
+    nothing (rank 0 writes its own FP32 tensors as they are), but for expert slices (dist.ep.size), each
+    gathered whole. An upper bound: memory the allocator kept from training serves part of it, so a run
+    measures up to it."""
     if not mesh.cuts_model:  # but expert slices (dist.ep.size): the largest gathered whole, and its FP32 copy
         return 2 * max((p.numel() * 4 for p in expert_params(model)), default=0) if mesh.ep > 1 else 0
-    return 4 * max((t.numel() * 4 for t in [*model.parameters(), *model.buffers()]), default=0)
+    copies = 4 if mesh.tp > 1 or mesh.pp > 1 else 2
+    return copies * max((t.numel() * 4 for t in [*model.parameters(), *model.buffers()]), default=0)
 
 
 def pretrained_itemsize(directory: Path) -> int:

@@ -18,8 +18,8 @@ from helpers import REPO
 
 # Two patterns, each measured before and after dist_trainer tunes malloc (the tuning is per process, so the
 # probe runs in its own interpreter):
-# - "small": a 512 KiB tensor allocated, filled and freed 20 times after 20 rounds of warm-up; the minor page
-#   faults of the counted rounds. Below the bounded mmap threshold (1 MiB) the freed block is reused from the heap.
+# - "small": a 32 KiB tensor allocated, filled and freed 20 times after 20 rounds of warm-up; the minor page
+#   faults of the counted rounds. Below the bounded mmap threshold (64 KiB) the freed block is reused from the heap.
 # - "fragments": what a training step's lifetimes do to a heap that keeps every block. A large block (8 MiB and
 #   growing by 64 KiB a round, as a unit's buffers differ) is filled, then a small block that outlives it is
 #   allocated after it, then the large one is freed: its hole is pinned by the survivor and too small for the
@@ -40,10 +40,10 @@ def rss():
             return int(line.split()[1]) / 1024
 def small():
     for _ in range(20):
-        torch.empty(128 << 10).fill_(1.0)  # warm-up, not counted
+        torch.empty(8 << 10).fill_(1.0)  # warm-up, not counted
     start = faults()
     for _ in range(20):
-        torch.empty(128 << 10).fill_(1.0)  # 512 KiB of float32, freed at once
+        torch.empty(8 << 10).fill_(1.0)  # 32 KiB of float32, freed at once
     return faults() - start
 def mid():
     torch.empty(4 << 20).fill_(1.0)  # a 16 MiB block freed: glibc's own threshold moves up past 4 MiB
@@ -85,8 +85,8 @@ def probe(mode: str = "dist_trainer", **env_extra: str) -> dict:
 def test_bounded_reuses_small_blocks_and_returns_large_ones_reuse_keeps_all():
     tuned, heap = probe(), probe("reuse")
     assert tuned["tuned"] is True and tuned["choice"] is None and heap["tuned"] is True
-    # Below the threshold a freed block is reused: hardly a fault in 20 rounds (128 pages each by default at
-    # first, before glibc's moving threshold rises past them).
+    # Below the threshold a freed block is reused: hardly a fault in 20 rounds (8 pages each, were each mapped
+    # anew).
     assert tuned["small"] <= 100, tuned
     # Large blocks go back to the kernel when freed, so the holes the survivors pin cost nothing resident:
     # 60 rounds of 8 MiB blocks leave at most a few MiB (the survivors and the heap's own pages) ...

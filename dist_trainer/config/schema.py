@@ -159,7 +159,7 @@ class TrainerConfig:
     nonfinite: str = "stop"  # fp32/bf16 non-finite gradients: stop or skip the step
     max_consecutive_skips: int = 10  # with nonfinite=skip
     # CPU runs on glibc (dist_trainer/hostmem.py): reuse (every freed block kept in the heap: no step
-    # page-faults), bounded (blocks from 1 MiB up returned when freed: a sharded model's steps cannot fragment
+    # page-faults), bounded (blocks from 64 KiB up returned when freed: a sharded model's steps cannot fragment
     # the heap past its plan), true (bounded when the model is cut across ranks, else reuse), false (as set).
     tune_malloc: Any = True
     # torch.compile the model block by block (dist.blocks), or whole where it declares none
