@@ -14,7 +14,7 @@ The model-dependent part of a rank's memory is the difference between the two si
 difference in their FP32 sizes: about 1x where a rank holds the whole model once (ddp with SGD: weights and
 gradients make 2x), about 0.5x where it holds half (fsdp on 2 ranks, weights and gradients sharded) plus what
 a unit's gathers add. Each row runs with both of ``trainer.tune_malloc``'s modes, side by side: ``bounded`` (blocks
-from 1 MiB up in their own mappings, returned when freed; the default where the model is cut across ranks) and
+from 64 KiB up in their own mappings, returned when freed; the default where the model is cut across ranks) and
 ``reuse`` (every block kept in the heap; the default under ddp, and what every mesh had before); ``--malloc
 default`` runs each mesh with the mode ``true`` chooses for it, where plan mode's figure is its prediction.
 """
@@ -85,6 +85,7 @@ def one_run(root: Path, model: Path, mode: list, malloc: dict, steps: int, tag: 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     shutil.rmtree(run_dir)  # its checkpoint and exports: about 1 GB for the 216 MiB model, read and done
     return {"peaks": measured["run_host_peak_mb"], "plan": plan.get("run_host_peak_mb"),
+            "export": measured.get("export_host_peak_mb"), "export_bound": plan.get("export_host_peak_mb"),
             "step_s": statistics.median(r["step_time_s"] for r in records[1:]) if len(records) > 1 else None}
 
 
@@ -113,7 +114,8 @@ def main() -> None:
                 rows.append((mode, malloc, got[small], got[large], ratio))
                 print(f"{mode:12s} {malloc:10s} {sizes[small]:.0f} MiB model: peaks {got[small]['peaks']} | "
                       f"{sizes[large]:.0f} MiB: peaks {got[large]['peaks']} (plan {got[large]['plan']}) | "
-                      f"added / model {ratio:.2f} | step {got[large]['step_s']:.2f} s", flush=True)
+                      f"added / model {ratio:.2f} | step {got[large]['step_s']:.2f} s | export added "
+                      f"{got[large]['export']} (bound {got[large]['export_bound']})", flush=True)
         print(f"\n| mesh | malloc | peak per rank, {sizes[small]:.0f} MiB model (MiB) | peak per rank, "
               f"{sizes[large]:.0f} MiB model (MiB) | plan mode, {sizes[large]:.0f} MiB (MiB) | "
               f"added / model size | median step, {sizes[large]:.0f} MiB (s) |")

@@ -116,7 +116,7 @@ def predicted_bytes(cfg: Config, plan: BatchPlan, precision: Any) -> Optional[in
     if cfg.precision.name in fp8.RECIPES:  # what float8 linears keep: their inputs' float8 copies and scales
         fp8.convert(model, cfg.precision.fp8, cfg.precision.name, "cpu")
     with FakeTensorMode():
-        _fake_cpu(model)
+        fake_cpu(model)
         blocks = find_blocks(model, cfg.dist.blocks) if cfg.dist.activation_checkpointing else []
         checkpoint_blocks(blocks) if blocks else None
         if mesh.cp > 1:
@@ -129,13 +129,13 @@ def predicted_bytes(cfg: Config, plan: BatchPlan, precision: Any) -> Optional[in
                 module.context = attention
             if hasattr(model, "attend_through_context"):
                 model.attend_through_context()
-        batch = _batch(cfg, model, plan.micro_batch_size, length)
+        batch = sample_batch(model, plan.micro_batch_size, length)
         model.train()
         with precision.autocast():
             return saved_bytes(model, lambda: model(batch), blocks)[0]
 
 
-def _fake_cpu(model: nn.Module) -> None:
+def fake_cpu(model: nn.Module) -> None:
     """Every parameter and buffer of ``model`` replaced by a fake CPU tensor of its shape and dtype (under the
     caller's FakeTensorMode), tied ones still tied."""
     made: Dict[int, torch.Tensor] = {}
@@ -149,9 +149,9 @@ def _fake_cpu(model: nn.Module) -> None:
             setattr(module, key, made[id(t)])
 
 
-def _batch(cfg: Config, model: nn.Module, micro: int, length: int) -> Dict[str, torch.Tensor]:
-    """A micro-batch of ``micro`` sequences of ``length`` tokens with their targets, as the built-in datasets give
-    (no padding mask: a padded batch's mask adds its own tensors)."""
+def sample_batch(model: nn.Module, micro: int, length: int, device: Any = None) -> Dict[str, torch.Tensor]:
+    """A micro-batch of ``micro`` sequences of ``length`` random tokens of the model's vocabulary with their
+    targets, as the built-in datasets give (no padding mask: a padded batch's mask adds its own tensors)."""
     vocab = getattr(model, "vocab_size", None) or model.model.config.vocab_size  # the GPT's, a Hugging Face model's
-    return {"input_ids": torch.randint(0, vocab, (micro, length)),
-            "targets": torch.randint(0, vocab, (micro, length))}  # their own storage, as the data's
+    return {"input_ids": torch.randint(0, vocab, (micro, length), device=device),
+            "targets": torch.randint(0, vocab, (micro, length), device=device)}  # their own storage, as the data's

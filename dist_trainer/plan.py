@@ -109,8 +109,12 @@ def stage_groups(cfg: Config, plan: BatchPlan, model: nn.Module) -> List[Dict[st
         return pp_stage_groups(cfg, model)
     experts = ep_plan.ep_experts(plan, model)
     skip = {id(p) for p in experts}
-    units = dp_plan.fsdp_units(model, find_blocks(model, cfg.dist.blocks), skip)
+    blocks, split = find_blocks(model, cfg.dist.blocks), dp_plan.splits_frozen(model, plan.mesh, experts=bool(skip))
+    units = dp_plan.fsdp_units(model, blocks, skip, split)
+    forward_only = dp_plan.forward_only_units(cfg, plan.mesh) if split else set()
     return [{"stages": [0], "blocks": None, "units": units, "unit_stages": [0] * len(units), "first": True,
+             "forward_only": forward_only, "frozen_root": split and cfg.dist.fsdp.reshard == "micro_batch"
+             and dp_plan.frozen_root(model, units[-1]) is not None,
              "last": True, "moe": moe_layers(model), "experts": experts, "modules": None, "attention": None,
              "trained": [p for p in model.parameters() if p.requires_grad and id(p) not in skip],
              # a checkpoint copies every trainable parameter (expert slices whole) and the buffers

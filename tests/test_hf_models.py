@@ -113,6 +113,7 @@ def _steps(cfg: Config, world: int) -> dict:
         outcome = parts.trainer.train_step(micro_batches, window, step)
         assert not outcome.skipped
         rec["items"].append(outcome.items)
+        rec.setdefault("comm", []).append(outcome.comm)
         rec["grads"].append({name: _full(p.grad) for name, p in module.named_parameters() if p.requires_grad})
     rec["params"] = {name: _full(p) for name, p in module.named_parameters()}
     del parts

@@ -110,11 +110,11 @@ def test_through_the_steps_fsdp_adds_about_a_shard_of_the_model_and_less_than_dd
           f"{ {name: round(run['plan']['run_host_peak_mb']) for name, run in runs.items()} }")
     for rank in range(2):
         added = peaks["fsdp"][rank] - peaks["fsdp small"][rank]
-        # A rank's half of the weights and of the gradients (1.0x together), the heap's holes (0.1x), and at the
-        # backward's end the embedding's gradient with the reduce-scatter's copy of it: 1.24-1.26x measured. Before
-        # the tied head's part was reduced in its own backward (parallel/tied_head.py) and gloo's collectives
-        # lost their copies (parallel/fsdp.py): 1.42-1.44x; a heap that kept every freed block
-        # (trainer.tune_malloc=reuse) 4.1-6.4x.
+        # A rank's half of the weights and of the gradients (1.0x together) and at the backward's end the
+        # embedding's gradient with the reduce-scatter's copy of it: 1.13-1.14x measured (1.24-1.26x while the
+        # bounded heap reused blocks under 1 MiB and kept their holes). Before the tied head's part was reduced in
+        # its own backward (parallel/tied_head.py) and gloo's collectives lost their copies (parallel/fsdp.py):
+        # 1.42-1.44x; a heap that kept every freed block (trainer.tune_malloc=reuse) 4.1-6.4x.
         assert added < 1.3 * added_size, (rank, peaks, added_size)
         assert peaks["fsdp"][rank] < peaks["ddp"][rank], (rank, peaks)
     # Plan mode's figure for the rank that holds the most, from what the process held before its model was
@@ -137,17 +137,20 @@ def test_lora_on_a_sharded_base_adds_a_shard_of_it_and_writes_both_outputs_witho
     lora = ("dist.strategy=fsdp", "model.lora.r=4", *SGD)
     runs = {model: _run(saved, tmp_path / model, *lora, model=model, steps=3) for model in ("small", "qwen2")}
     peaks = {model: run["measured"]["run_host_peak_mb"] for model, run in runs.items()}
-    print(f"LoRA run peaks per rank (MiB): {peaks}; the larger base adds {added_size:.0f} MiB")
+    print(f"LoRA run peaks per rank (MiB): {peaks}; the larger base adds {added_size:.0f} MiB; plan: "
+          f"{ {model: round(run['plan']['run_host_peak_mb']) for model, run in runs.items()} }")
     for model, run in runs.items():
         assert "built whole" not in run["log"], run["log"][-2000:]  # the base on the meta device, then its shards
         assert "written tensor by tensor" in run["log"]  # hf_model/ merged as each base weight arrives
         predicted, measured = run["plan"]["run_host_peak_mb"], max(peaks[model])
         assert abs(measured - predicted) <= 0.1 * predicted, (model, measured, predicted)
     for rank in range(2):
-        # The rank's half of the base (0.5x) and, at the forward's peak, the root's gathered embedding (held from
-        # the embedding to the head), a unit gathered, the next one gathered ahead (dist.fsdp.prefetch=1) and its
-        # copy-out, with the heap's holes: 0.96x measured (1.07-1.09x while gloo's all-gather kept a copy of each
-        # unit; 2.75x built whole on every rank and exported from a whole copy).
-        assert peaks["qwen2"][rank] - peaks["small"][rank] < 1.1 * added_size, (rank, peaks, added_size)
+        # The rank's half of the base (0.5x) and, at the peak, the root's embedding gathered for the embedding's
+        # forward or the head's, or one frozen layer gathered (each its own unit): 0.62x measured. 0.95-0.96x
+        # while each block was one unit, gathered ahead and copied out of its gather buffer, the root held
+        # gathered from the embedding to the head and through the backward, and the heap kept the holes of
+        # blocks under 1 MiB; 1.07-1.09x while gloo's all-gather kept a copy of each unit; 2.75x built whole on
+        # every rank and exported from a whole copy.
+        assert peaks["qwen2"][rank] - peaks["small"][rank] < 0.7 * added_size, (rank, peaks, added_size)
     run_dir = tmp_path / "qwen2"
     assert (run_dir / "hf_adapter" / "adapter_model.safetensors").exists() and (run_dir / "hf_model").is_dir()

@@ -21,6 +21,7 @@ from dist_trainer.config import ConfigError
 from dist_trainer.validation import validate
 from dist_trainer.data import epoch_batches
 from dist_trainer.models.hf import hf_model
+from dist_trainer.plan import plan_numbers
 from dist_trainer.run import build
 from helpers import assert_close_scaled, run_ranks
 from test_checkpoint import metrics, run
@@ -37,7 +38,10 @@ def lora_model(**lora) -> dict:
 def _jobs(files: list, cache: Path) -> dict:
     def job(packing: bool, strategy: str, ac: bool):
         data = chat_data(files, cache, packing=packing, block_size=256 if packing else 128)
-        return lambda micro: config(lora_model(), data, micro, strategy, ac=ac)
+        # packed: the head tied to the embedding, which under fsdp is then the root's one parameter, gathered
+        # only where it is read (fsdp.FrozenRoot)
+        model = {**chat_model(cfg={**LLAMA, "tie_word_embeddings": True}), "lora": LORA} if packing else lora_model()
+        return lambda micro: config(model, data, micro, strategy, ac=ac)
     return {("packed" if packing else "padded", strategy, ac): job(packing, strategy, ac)
             for packing, strategy, ac in [(False, "ddp", False), (True, "ddp", False), (False, "fsdp", True),
                                           (True, "fsdp", False)]}
@@ -74,6 +78,19 @@ def test_lora_split_invariance_under_ddp_and_fsdp_and_the_base_stays_bit_identic
         # digest a whole copy gives, so checkpoints written either way resume either way
         assert rec["built_on_meta"] == (strategy == "fsdp"), what
         assert rec["frozen_digest"] == ref["frozen_digest"] and len(ref["frozen_digest"]) == 64, what
+        if strategy == "fsdp":
+            # Each frozen layer of the base is an FSDP unit of its own (dp_plan.unit_modules): plan mode's
+            # collectives are the run's, and there are more of them than a unit per block and the root gives.
+            cfg = jobs[(kind, strategy, ac)](4)
+            step = plan_numbers(cfg, validate(cfg, 2))["step"]
+            # 2 layers of 7 frozen linear units and the block's own, the final norm's unit and the root, each
+            # gathered in the forward and the backward of 4 micro-batches: 144. packed (the head tied): the first
+            # layer's query, key and value bases carry no gradient (no backward gathers them: 12 fewer), and
+            # the root, the embedding alone, is gathered again for the head (4 more). padded: activation
+            # checkpointing's recomputation gathers every unit of a block in the backward.
+            assert step["all_gathers"] == (136 if kind == "packed" else 144), (what, step)
+            for number, comm in enumerate(rec["comm"][1:], 2):
+                assert {k: comm.get(k, 0) for k in step} == step, (what, number)
 
 
 def test_bf16_master_stores_the_base_in_bf16_and_trains_fp32_masters_of_the_adapters(tmp_path):

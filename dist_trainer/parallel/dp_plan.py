@@ -8,6 +8,7 @@ Shapes and dtypes only (a meta model is enough): no tensor is allocated and no p
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Any, Collection, Dict, List, Optional, Tuple
 
 import torch
@@ -67,12 +68,103 @@ def sharded_by_fsdp(cfg: Config) -> bool:
     return cfg.dist.strategy == "fsdp" or cfg.dist.tp.size > 1 or cfg.dist.pp.size > 1
 
 
-def fsdp_units(model: nn.Module, blocks: List[nn.Module], skip: Optional[set] = None) -> List[List[nn.Parameter]]:
-    """The parameters of each FSDP unit: each block's, then the root's (the rest; tied ones once). ``skip``: ids
-    of parameters FSDP is told to ignore (expert slices)."""
+def splits_frozen(model: nn.Module, mesh: MeshShape, experts: bool = False) -> bool:
+    """Whether a frozen base's layers are FSDP units of their own (``unit_modules``): under fsdp or hsdp without
+    tp, pp or expert slices, on a model that trains part of itself and keeps the rest frozen (a LoRA base)."""
+    if mesh.strategy != "fsdp" or mesh.tp > 1 or mesh.pp > 1 or experts:
+        return False
+    trains = [p.requires_grad for p in model.parameters()]
+    return any(trains) and not all(trains)
+
+
+def unit_modules(model: nn.Module, blocks: List[nn.Module], split_frozen: bool = False) -> List[nn.Module]:
+    """The modules ``fully_shard`` makes units of, inner ones first: each block, then the root (the rest).
+
+    ``split_frozen`` (``splits_frozen``): inside each block every frozen linear layer (a LoRA layer's base) is a
+    unit before its block, and outside the blocks every frozen module with weights of its own that no other
+    module shares (the final norm) is one before the root; the root keeps the embedding (and a head tied to it).
+    A frozen layer gathers no gradient and reduces none, so a unit of it costs one all-gather where it runs,
+    and the most a rank holds gathered at once is a layer, not a block (LoRA on a 216 MiB qwen2: a block's 25
+    MiB, gathered ahead and copied out of its gather buffer, against a 6 MiB projection; docs/large_models.md).
+    """
+    if not split_frozen:
+        return [*blocks, model]
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+
+    def frozen(module: nn.Module, recurse: bool = True) -> bool:
+        params = list(module.parameters(recurse=recurse))
+        return bool(params) and not any(p.requires_grad or uses[id(p)] > 1 for p in params)
+
+    units: List[nn.Module] = []
+    inside: set = set()
+    for block in blocks:
+        for sub in block.modules():
+            if isinstance(sub, nn.Linear) and id(sub) not in inside and frozen(sub):
+                units.append(sub)
+                inside.update(id(m) for m in sub.modules())
+        units.append(block)
+        inside.update(id(m) for m in block.modules())
+    units += [m for m in model.modules() if id(m) not in inside and m is not model and not list(m.children())
+              and not isinstance(m, (nn.Embedding, nn.Linear)) and frozen(m, recurse=False)]
+    return [*units, model]
+
+
+def frozen_root(model: nn.Module, root_params: List[torch.Tensor]) -> Optional[Tuple[nn.Module, nn.Module]]:
+    """(embedding, head) where the root unit's one parameter is a frozen embedding tied to a head (a LoRA base's
+    under ``unit_modules``' split), which the fsdp strategy gathers only where it is read (fsdp.FrozenRoot:
+    an all-gather more per training forward); else None. Not with the chunked loss, which reads the head's
+    weight without calling the head."""
+    chunked = getattr(getattr(model, "loss_options", None), "chunked", False)
+    if chunked or len(root_params) != 1 or root_params[0].requires_grad:
+        return None
+    users = [m for m in model.modules()
+             if m is not model and any(p is root_params[0] for p in m.parameters(recurse=False))]
+    embedding = [m for m in users if isinstance(m, nn.Embedding)]
+    head = [m for m in users if isinstance(m, nn.Linear)]
+    return (embedding[0], head[0]) if len(users) == 2 and len(embedding) == 1 and len(head) == 1 else None
+
+
+def forward_only_units(cfg: Config, mesh: MeshShape) -> set:
+    """Indices of the units (``unit_modules``) FSDP gathers for the forward alone: frozen layers whose output
+    carries no gradient (they read only what no trained parameter made: under LoRA the first block's query, key
+    and value bases), which no backward gathers again. Found by a forward of the model on fake tensors (shapes
+    only, as plan mode's activations are) on one short sequence. Under activation checkpointing a block's
+    recomputation gathers each of its units in the backward anyway: only units outside the blocks can be
+    forward-only then."""
+    from hydra.utils import instantiate
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ..activations import fake_cpu, sample_batch
+
+    weights = {"load_weights": False} if cfg.model.get("pretrained") else {}  # the shapes, not the files
+    with torch.device("meta"):
+        model = instantiate(cfg.model, _convert_="all", **weights)
+    blocks = find_blocks(model, cfg.dist.blocks)
+    modules = unit_modules(model, blocks, splits_frozen(model, mesh))[:-1]
+    recomputed = {id(m) for block in blocks for m in block.modules()} if cfg.dist.activation_checkpointing else set()
+    carries: Dict[int, bool] = {}
+
+    def record(module: nn.Module, args: Any, output: Any) -> None:
+        outputs = output if isinstance(output, (tuple, list)) else (output,)
+        carries[id(module)] = any(isinstance(t, torch.Tensor) and t.requires_grad for t in outputs)
+
+    for m in modules:
+        if id(m) not in recomputed:
+            m.register_forward_hook(record)
+    with FakeTensorMode():
+        fake_cpu(model)
+        model.train()
+        model(sample_batch(model, 1, min(8, cfg.data.get("block_size") or 8)))
+    return {i for i, m in enumerate(modules) if carries.get(id(m)) is False}
+
+
+def fsdp_units(model: nn.Module, blocks: List[nn.Module], skip: Optional[set] = None,
+               split_frozen: bool = False) -> List[List[nn.Parameter]]:
+    """The parameters of each FSDP unit (``unit_modules``): each block's, then the root's (the rest; tied ones
+    once). ``skip``: ids of parameters FSDP is told to ignore (expert slices)."""
     seen: set = set(skip or ())
     units = []
-    for module in [*blocks, model]:
+    for module in unit_modules(model, blocks, split_frozen):
         params = [p for p in module.parameters() if id(p) not in seen]
         seen.update(id(p) for p in params)
         units.append(params)
@@ -136,8 +228,14 @@ def add_step(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precisio
         return
     cut, float8 = local_shapes(model, cfg.dist.tp), gathered_in_float8(model, cfg.precision)
     gathers, scatters = unit_collectives(cfg, plan, model)
-    for unit in group["units"]:
-        add_unit_comm(counts, plan.mesh, *unit_bytes(unit, plan.mesh.shard, precision, cut, float8), gathers, scatters)
+    # a unit gathered for the forward alone (frozen, its output carries no gradient): no backward gathers it
+    backward = plan.accum_steps if cfg.dist.fsdp.reshard == "micro_batch" else 0
+    forward_only, root = group.get("forward_only", ()), len(group["units"]) - 1
+    for i, unit in enumerate(group["units"]):
+        # and a frozen root of the embedding alone gathered again for the head (fsdp.FrozenRoot)
+        again = backward if i == root and group.get("frozen_root") else 0
+        add_unit_comm(counts, plan.mesh, *unit_bytes(unit, plan.mesh.shard, precision, cut, float8),
+                      gathers - backward * (i in forward_only) + again, scatters)
     head = tied_head(model, find_blocks(model, cfg.dist.blocks), plan.mesh, "cpu" if runs_on_cpu(cfg) else "cuda",
                      cfg.trainer.compile)
     if head is not None:  # its part of the tied weight's gradient reduced on its own (parallel/tied_head.py)

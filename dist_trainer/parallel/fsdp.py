@@ -50,11 +50,13 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 # torch has no public way to count FSDP's collectives; its own default collectives,
 # subclassed, are counted where FSDP issues them (set_custom_all_gather / _reduce_scatter).
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_param import alloc_storage
 
 from ..config import DistConfig, MeshShape
 from ..distributed import DistEnv
 from ..precision import Precision
 from .comm import COMM_KEYS
+from .dp_plan import frozen_root, splits_frozen, unit_modules
 from .dcp import checkpointed, dcp_checkpoint_state, dcp_load_checkpoint_state  # noqa: F401 (pp imports it here)
 from .parallelize import parallelize
 from .state import WholeTensors, local_tensor, parameter_ties
@@ -122,17 +124,52 @@ class CommCounter:
 
 
 class _CountingAllGather(DefaultAllGather):
-    """FSDP's own all-gather, counted: bytes are the gathered (unsharded, padded) size."""
+    """FSDP's own all-gather, counted: bytes are the gathered (unsharded, padded) size.
 
-    def __init__(self, counter: CommCounter):
+    A unit of one parameter cut by rows (a frozen base's layer, a root that holds the embedding alone) is
+    gathered straight into that parameter's own gathered storage on CPU: FSDP lays its gather buffer out rank
+    by rank, which for one parameter cut by rows is the parameter itself, so its copy out of the buffer is a
+    copy onto itself and the buffer is no second copy of the unit (measured: LoRA on a 216 MiB qwen2, the
+    root's 24 MiB embedding held once, not twice, while it is gathered).
+    """
+
+    def __init__(self, counter: CommCounter, unit: Optional[FSDPModule] = None):
         self.counter = counter
+        self.unit = unit
+        self._into: Optional[Tuple[torch.Tensor, int]] = None  # (the parameter's tensor, its version) while gathered into
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        target = self._own_storage(size, dtype, device)
+        if target is None:
+            return super().allocate(size, dtype=dtype, device=device)
+        alloc_storage(target)
+        # FSDP copies this rank's shard in and the gather writes the rest, in place: the version autograd saw
+        # when the forward saved the parameter (FSDP's own copy-out keeps it so) is restored after the gather.
+        self._into = (target, target._version)
+        return target
+
+    def _own_storage(self, size, dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
+        """The unit's one parameter's gathered tensor where the gather may go straight into it, else None."""
+        if self.unit is None or device.type != "cpu":
+            return None
+        params = [fp for group in _param_groups(self.unit) for fp in group.fsdp_params]
+        if len(params) != 1 or params[0].fsdp_placement.dim != 0 or len(params[0].all_gather_outputs) != 1:
+            return None  # several parameters, cut by columns, or not gathered yet (FSDP makes the tensor then)
+        target = params[0].all_gather_outputs[0]
+        if target.dtype != dtype or target.device != device or (target.numel(),) != tuple(size):
+            return None
+        return target
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         self.counter.counts["all_gathers"] += 1
         self.counter.counts["all_gather_bytes"] += output_tensor.numel() * output_tensor.element_size()
         self.counter.meter.sample(output_tensor)
+        into, self._into = self._into, None
         if output_tensor.device.type == "cpu" and not async_op:
-            return all_gather_by_broadcasts(output_tensor, input_tensor, group)
+            all_gather_by_broadcasts(output_tensor, input_tensor, group)
+            if into is not None and into[0] is output_tensor:
+                torch._C._autograd._unsafe_set_version_counter((output_tensor,), (into[1],))
+            return None
         return super().__call__(output_tensor, input_tensor, group, async_op)
 
 
@@ -243,7 +280,7 @@ def count_units(units: List[FSDPModule], replicate: int,
     counter = CommCounter(meter)
     flat = {id(u) for u in one_dim}
     for unit in units:
-        unit.set_custom_all_gather(_CountingAllGather(counter))
+        unit.set_custom_all_gather(_CountingAllGather(counter, unit))
         unit.set_custom_reduce_scatter(_CountingReduceScatter(counter))
         # Only hsdp all-reduces; on a 1-D mesh the hook would follow the reduce-scatter.
         if replicate > 1 and id(unit) not in flat:
@@ -285,7 +322,10 @@ def set_prefetch(blocks: List[nn.Module], units: List[nn.Module], ahead: int) ->
         return
     for i, block in enumerate(blocks):
         block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + ahead])
-        block.set_modules_to_backward_prefetch(list(reversed(blocks[max(i - ahead, 0):i])))
+        # the first block's list names itself: left empty, FSDP2 would gather the unit after it in its record of
+        # forwards, which a second forward of the micro-batch (DPO's or GRPO's adapter reference) makes a block
+        # no backward is left to read
+        block.set_modules_to_backward_prefetch(list(reversed(blocks[max(i - ahead, 0):i])) or [block])
 
 
 def tied_reduction(model: nn.Module, blocks: List[nn.Module], mesh: MeshShape, device_type: str, compile: bool,
@@ -299,6 +339,41 @@ def tied_reduction(model: nn.Module, blocks: List[nn.Module], mesh: MeshShape, d
     if mesh.replicate == 1:
         return TiedHeadReduction(head, fsdp_param, dmesh.get_group(), None, counts)
     return TiedHeadReduction(head, fsdp_param, dmesh.get_group("shard"), dmesh.get_group("replicate"), counts)
+
+
+class FrozenRoot:
+    """A frozen root that holds the embedding alone (a LoRA base's, tied to its head; its other layers are units
+    of their own), gathered only where it is read: freed after the embedding's forward and gathered again for
+    the head, and in the backward freed once the head's has run (the embedding's needs nothing).
+
+    FSDP keeps a root gathered from its forward's first layer to its last, and in the backward until its end, so
+    the embedding (a tenth of a qwen2) sat beside every layer gathered after it. It costs one all-gather more per
+    training forward, which plan mode counts. Forwards without gradients (evaluation, a reference's pass) are
+    left as FSDP runs them.
+    """
+
+    def __init__(self, root: FSDPModule, embedding: nn.Module, head: nn.Module):
+        self.root = root
+        embedding.register_forward_hook(self._after_embedding)
+        head.register_forward_pre_hook(self._before_head)
+        head.register_full_backward_hook(self._after_head_backward)
+
+    @staticmethod
+    def of(model: nn.Module) -> Optional["FrozenRoot"]:
+        """The hooks on the root's embedding and head where ``dp_plan.frozen_root`` finds them; else None."""
+        found = frozen_root(model, [fp.sharded_param for group in _param_groups(model) for fp in group.fsdp_params])
+        return None if found is None else FrozenRoot(model, *found)  # type: ignore[arg-type]
+
+    def _after_embedding(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled():
+            self.root.reshard()
+
+    def _before_head(self, module: nn.Module, args: Any) -> None:
+        if torch.is_grad_enabled():
+            self.root.unshard()
+
+    def _after_head_backward(self, module: nn.Module, grad_input: Any, grad_output: Any) -> None:
+        self.root.reshard()
 
 
 class FrozenShards:
@@ -345,17 +420,24 @@ class FSDPStrategy:
         self.reshard = cfg.fsdp.reshard
         after_forward = self.reshard == "micro_batch"  # given explicitly, to the root too
         expert_units = self.ep.shard(reshard_after_forward=after_forward, mp_policy=policy)
-        for block in blocks:
-            fully_shard(block, mesh=dmesh, reshard_after_forward=after_forward, mp_policy=policy,
+        # each block a unit, then the root; a frozen base's layers units of their own (dp_plan.unit_modules)
+        split = splits_frozen(model, mesh, experts=bool(self.ep.ignored))
+        modules = unit_modules(model, blocks, split)
+        for module in modules:
+            fully_shard(module, mesh=dmesh, reshard_after_forward=after_forward, mp_policy=policy,
                         ignored_params=self.ep.ignored)
-        fully_shard(model, mesh=dmesh, reshard_after_forward=after_forward, mp_policy=policy,
-                    ignored_params=self.ep.ignored)
         if materialise is not None:  # each rank allocates and initialises its own shards, and nothing more
             materialise(model)
         self.units: List[FSDPModule] = [m for m in model.modules() if isinstance(m, FSDPModule)]
         set_prefetch(blocks, self.units, cfg.fsdp.prefetch)
+        for module in modules[:-1]:
+            if not any(module is block for block in blocks):
+                # A frozen layer's unit gathers none ahead in backward: FSDP's own choice (the unit before it in
+                # the forward) may be one no backward uses, a gather plan mode does not count and a layer more held
+                module.set_modules_to_backward_prefetch([module])
         self.meter, self.counter = count_units(self.units, mesh.replicate, one_dim=expert_units)
         self.tied = tied_reduction(model, blocks, mesh, env.device.type, compile, dmesh, self.counter.counts)
+        self.frozen_root = FrozenRoot.of(model) if split and self.reshard == "micro_batch" else None
         if cfg.find_unused_parameters:
             # A parameter some rank did not use still takes part (with zeros) in the reduce-scatter.
             model.set_reduce_scatter_unused_params(True)

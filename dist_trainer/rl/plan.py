@@ -38,9 +38,10 @@ def add_step(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precisio
     """The objective's figures ride the step's all-reduce (float64 slots). A reference copy under fsdp gathers each
     of its units once a micro-batch (nothing ahead, resharded after its forward). A reference that is the policy itself
     (rl.reference=adapter) runs its blocks once more per micro-batch, without gradients: under fsdp with
-    dist.fsdp.reshard=micro_batch each block is gathered again for it (the root, gathered for the whole forward,
-    is not), and with dist.fsdp.prefetch > 0 one block more is gathered ahead for each reference pass (under
-    reshard=step once a step), whatever the reshard (measured: 2 and 3 blocks, prefetch 0 and 1, each reshard)."""
+    dist.fsdp.reshard=micro_batch each unit but the root is gathered again for it (the root, gathered for the
+    whole forward, is not). Nothing more: the first block gathers none ahead in its backward
+    (fsdp.set_prefetch), where FSDP2's own choice was the block after it in its record of both forwards, one
+    gather more per reference pass."""
     objective = objective_of(model)
     counts["step_allreduce_bytes"] += objective.slots() * 8
     if cfg.task == "grpo":
@@ -64,9 +65,6 @@ def add_step(cfg: Config, plan: BatchPlan, model: nn.Module, precision: Precisio
     if cfg.dist.fsdp.reshard == "micro_batch":
         for gathered in blocks:
             dp_plan.add_unit_comm(counts, plan.mesh, gathered, 0, again, 0)
-    if cfg.dist.fsdp.prefetch > 0 and blocks:  # reshard=step gathers the blocks once a step: once
-        dp_plan.add_unit_comm(counts, plan.mesh, blocks[0], 0, passes if cfg.dist.fsdp.reshard == "step" else again,
-                              0)
 
 
 def sampling_passes(cfg: Config, plan: BatchPlan) -> int:
