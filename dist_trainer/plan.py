@@ -111,7 +111,11 @@ def stage_groups(cfg: Config, plan: BatchPlan, model: nn.Module) -> List[Dict[st
     skip = {id(p) for p in experts}
     blocks, split = find_blocks(model, cfg.dist.blocks), dp_plan.splits_frozen(model, plan.mesh, experts=bool(skip))
     units = dp_plan.fsdp_units(model, blocks, skip, split)
-    forward_only = dp_plan.forward_only_units(cfg, plan.mesh) if split else set()
+    # found by the model's own forward, on a copy of its own: the forward on fake tensors replaces its parameters
+    forward_only = set()
+    if split:
+        own = meta_model(cfg, Precision(cfg.precision, torch.device("cpu")), objective=False)
+        forward_only = dp_plan.forward_only_units(cfg, own, plan.mesh)
     return [{"stages": [0], "blocks": None, "units": units, "unit_stages": [0] * len(units), "first": True,
              "forward_only": forward_only, "frozen_root": split and cfg.dist.fsdp.reshard == "micro_batch"
              and dp_plan.frozen_root(model, units[-1]) is not None,
@@ -122,15 +126,18 @@ def stage_groups(cfg: Config, plan: BatchPlan, model: nn.Module) -> List[Dict[st
              "buffer_bytes": persistent_buffer_bytes(model), "holds": list(model.parameters())}]
 
 
-def meta_model(cfg: Config, precision: Precision) -> nn.Module:
-    """The model as the strategy would hold it, on the meta device: shapes and dtypes, no memory."""
+def meta_model(cfg: Config, precision: Precision, objective: bool = True) -> nn.Module:
+    """The model as the strategy would hold it, on the meta device: shapes and dtypes, no memory.
+    ``objective=False``: without the task's objective (task=dpo's reference, its forward of pairs): the model's
+    own forward."""
     # a pretrained Hugging Face model from its configuration alone: its files are read by a run, not by a plan
     unread = {"load_weights": False} if cfg.model.get("pretrained") and cfg.model.get("_target_") in HF_TARGETS else {}
     with torch.device("meta"):
         model = instantiate(cfg.model, _convert_="all", **unread)
         if not dp_plan.sharded_by_fsdp(cfg):  # fsdp keeps FP32 shards and casts when it gathers
             precision.prepare(model)
-        build_objective(cfg, model)  # task=dpo: its reference's passes and figures count in the step
+        if objective:
+            build_objective(cfg, model)  # task=dpo: its reference's passes and figures count in the step
     return model
 
 

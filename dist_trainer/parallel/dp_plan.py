@@ -124,21 +124,17 @@ def frozen_root(model: nn.Module, root_params: List[torch.Tensor]) -> Optional[T
     return (embedding[0], head[0]) if len(users) == 2 and len(embedding) == 1 and len(head) == 1 else None
 
 
-def forward_only_units(cfg: Config, mesh: MeshShape) -> set:
+def forward_only_units(cfg: Config, model: nn.Module, mesh: MeshShape) -> set:
     """Indices of the units (``unit_modules``) FSDP gathers for the forward alone: frozen layers whose output
     carries no gradient (they read only what no trained parameter made: under LoRA the first block's query, key
-    and value bases), which no backward gathers again. Found by a forward of the model on fake tensors (shapes
-    only, as plan mode's activations are) on one short sequence. Under activation checkpointing a block's
-    recomputation gathers each of its units in the backward anyway: only units outside the blocks can be
-    forward-only then."""
-    from hydra.utils import instantiate
+    and value bases), which no backward gathers again. Found by a forward on fake tensors (shapes only, as plan
+    mode's activations are) on one short sequence, of ``model``: a meta model of its own (``plan.meta_model``),
+    whose tensors this replaces. Under activation checkpointing a block's recomputation gathers each of its
+    units in the backward anyway: only units outside the blocks can be forward-only then."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ..activations import fake_cpu, sample_batch
 
-    weights = {"load_weights": False} if cfg.model.get("pretrained") else {}  # the shapes, not the files
-    with torch.device("meta"):
-        model = instantiate(cfg.model, _convert_="all", **weights)
     blocks = find_blocks(model, cfg.dist.blocks)
     modules = unit_modules(model, blocks, splits_frozen(model, mesh))[:-1]
     recomputed = {id(m) for block in blocks for m in block.modules()} if cfg.dist.activation_checkpointing else set()

@@ -133,9 +133,10 @@ class _CountingAllGather(DefaultAllGather):
     root's 24 MiB embedding held once, not twice, while it is gathered).
     """
 
-    def __init__(self, counter: CommCounter, unit: Optional[FSDPModule] = None):
+    def __init__(self, counter: CommCounter, unit: FSDPModule):
         self.counter = counter
-        self.unit = unit
+        # the unit's parameters, listed once (its groups exist once fully_shard has run)
+        self.params = [fp for group in _param_groups(unit) for fp in group.fsdp_params]
         self._into: Optional[Tuple[torch.Tensor, int]] = None  # (the parameter's tensor, its version) while gathered into
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -150,12 +151,12 @@ class _CountingAllGather(DefaultAllGather):
 
     def _own_storage(self, size, dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
         """The unit's one parameter's gathered tensor where the gather may go straight into it, else None."""
-        if self.unit is None or device.type != "cpu":
-            return None
-        params = [fp for group in _param_groups(self.unit) for fp in group.fsdp_params]
-        if len(params) != 1 or params[0].fsdp_placement.dim != 0 or len(params[0].all_gather_outputs) != 1:
-            return None  # several parameters, cut by columns, or not gathered yet (FSDP makes the tensor then)
-        target = params[0].all_gather_outputs[0]
+        if device.type != "cpu" or len(self.params) != 1:
+            return None  # several parameters
+        param = self.params[0]
+        if param.fsdp_placement.dim != 0 or len(param.all_gather_outputs) != 1:
+            return None  # cut by columns, or not gathered yet (FSDP makes the tensor then)
+        target = param.all_gather_outputs[0]
         if target.dtype != dtype or target.device != device or (target.numel(),) != tuple(size):
             return None
         return target
